@@ -1,0 +1,1 @@
+"""rft: Slurm-native reinforcement fine-tuning of LLMs (Megatron-core trainers, vLLM rollouts)."""

@@ -1,0 +1,1 @@
+"""Tasksets in, experience shards out: the data plane between explorers and trainers."""

@@ -1,0 +1,41 @@
+"""Synthetic arithmetic tasksets (`a+b=`) generated with a fixed seed: the quickstart's data.
+
+Train and eval sets are disjoint, so eval accuracy measures generalisation, not recall.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from rft.config import ArithmeticTaskConfig
+
+
+def _problems(cfg: ArithmeticTaskConfig, seed: int) -> list[tuple[int, int]]:
+    total = cfg.num_train + cfg.num_eval
+    space = (cfg.max_operand + 1) ** 2
+    if total > space:
+        raise ValueError(
+            f"data.arithmetic: num_train+num_eval={total} exceeds the {space} distinct problems "
+            f"with max_operand={cfg.max_operand}; raise data.arithmetic.max_operand"
+        )
+    rng = np.random.default_rng(seed)
+    flat = rng.choice(space, size=total, replace=False)
+    return [(int(i) // (cfg.max_operand + 1), int(i) % (cfg.max_operand + 1)) for i in flat]
+
+
+def write_arithmetic_tasksets(cfg: ArithmeticTaskConfig, out_dir: str, seed: int) -> tuple[str, str]:
+    """Write `train.jsonl` and `eval.jsonl` with keys `question` and `answer`; return their paths."""
+    os.makedirs(out_dir, exist_ok=True)
+    problems = _problems(cfg, seed)
+    paths = []
+    for name, rows in (("train", problems[: cfg.num_train]), ("eval", problems[cfg.num_train :])):
+        path = os.path.join(out_dir, f"{name}.jsonl")
+        with open(path + ".tmp", "w") as f:
+            for a, b in rows:
+                f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
+        os.replace(path + ".tmp", path)
+        paths.append(path)
+    return paths[0], paths[1]

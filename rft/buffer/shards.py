@@ -1,0 +1,274 @@
+"""The experience buffer: shard files on a shared filesystem, handed over with atomic renames.
+
+Why files and renames: every node of a Slurm job already sees the shared filesystem, and
+`rename` within one directory is atomic on POSIX, NFS and Lustre, so it serves as both the
+publish step (temp name -> final name) and the lock (ready -> claimed: exactly one consumer's
+rename succeeds). No broker process, and the history stays on disk for inspection.
+
+Shard life cycle, by file name (`name` = `step00000012-p003.parquet`):
+    .<name>.tmp-*        being written by a producer (ignored by everyone else)
+    <name>               ready
+    <name>.claimed-c<k>  leased to consumer k; back to ready if not committed within lease_s
+    <name>.done          consumed
+    <name>.corrupt       failed its checksum; quarantined so it is not retried forever
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import re
+import time
+import uuid
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.ipc as ipc
+import pyarrow.parquet as pq
+
+MANIFEST = "manifest.jsonl"
+_FORMATS = ("parquet", "arrow")  # Parquet, or an Arrow IPC file (no decode cost, bigger)
+_READY = re.compile(r"^step(\d{8,})-p(\d{3,})\.(parquet|arrow)$")
+_CLAIMED = re.compile(r"^(step\d{8,}-p\d{3,}\.(?:parquet|arrow))\.claimed-c\d+$")
+_RESERVED = ("version", "step")  # columns write() adds itself
+
+
+class ShardCorruptError(RuntimeError):
+    """A shard's bytes do not match its manifest entry (truncated copy, disk error, tampering)."""
+
+
+class LeaseExpiredError(RuntimeError):
+    """commit() after the lease ran out and the shard went back to the pool (it may be re-consumed)."""
+
+
+@dataclass
+class Claim:
+    """A shard leased to one consumer: commit it, or it returns to the pool after lease_s."""
+
+    path: str  # the claimed file, <root>/<name>.claimed-c<k>
+    name: str  # the shard's ready name, e.g. step00000012-p003.parquet
+    table: pa.Table
+
+
+def _sort_key(name: str) -> tuple[int, int]:
+    m = _READY.match(name)
+    assert m, name
+    return int(m.group(1)), int(m.group(2))  # numeric, so step 10**8 sorts after 99999999
+
+
+def _column(name: str, values: list) -> pa.Array:
+    """Token ids are int32 and logprobs float32 on the wire: half the bytes of Python's defaults."""
+    if name.endswith("_ids"):
+        kind = pa.list_(pa.int32())
+    elif name.endswith("_logprobs"):
+        kind = pa.list_(pa.float32())
+    else:
+        kind = None
+    try:
+        return pa.array(values, type=kind)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
+        want = f" as {kind}" if kind is not None else ""
+        raise ValueError(f"experience column {name!r} cannot be stored{want}: {e}") from None
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename durable; some filesystems refuse fsync on directories, which is harmless."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+class ExperienceBuffer:
+    """Producers `write` one shard per step; consumers `claim`, read `.table`, then `commit`."""
+
+    def __init__(self, root: str, fmt: str = "parquet", lease_s: float = 600.0) -> None:
+        if fmt not in _FORMATS:
+            raise ValueError(f"buffer format {fmt!r} is not supported; use one of {list(_FORMATS)}")
+        if lease_s <= 0:
+            raise ValueError(f"buffer lease_s must be positive, got {lease_s}")
+        self.root = os.path.abspath(root)
+        self.fmt = fmt
+        self.lease_s = float(lease_s)
+        os.makedirs(self.root, exist_ok=True)
+        self._manifest: dict[str, dict] = {}  # shard name -> latest manifest entry
+        self._manifest_offset = 0  # bytes of manifest.jsonl already parsed
+
+    # ---- producer side ---------------------------------------------------------------------
+
+    def write(self, columns: dict[str, list], *, step: int, producer: int, version: int) -> str:
+        """Publish one shard atomically and return its final path."""
+        if step < 0 or producer < 0:
+            raise ValueError(f"step and producer must be >= 0, got step={step}, producer={producer}")
+        if not columns:
+            raise ValueError("write() got no columns; pass e.g. {'input_ids': [...], 'reward': [...]}")
+        if reserved := [k for k in _RESERVED if k in columns]:
+            raise ValueError(f"experience column {reserved[0]!r} is reserved (write() adds it); rename yours")
+        lengths = {k: len(v) for k, v in columns.items()}
+        rows = next(iter(lengths.values()))
+        if any(n != rows for n in lengths.values()):
+            raise ValueError(f"experience columns differ in length: {lengths}; every column needs one value per row")
+        arrays = {k: _column(k, v) for k, v in columns.items()}
+        arrays["version"] = pa.array([version] * rows, type=pa.int64())
+        arrays["step"] = pa.array([step] * rows, type=pa.int64())
+        table = pa.table(arrays)
+
+        name = f"step{step:08d}-p{producer:03d}.{self.fmt}"
+        final = os.path.join(self.root, name)
+        # A second write of the same (step, producer), in any state, would duplicate experience.
+        if any(n == name or n.startswith(name + ".") for n in os.listdir(self.root)):
+            raise FileExistsError(f"shard {name} already exists in {self.root}: step {step} of producer "
+                                  f"{producer} was written before (resumed without advancing the step?)")
+        sink = pa.BufferOutputStream()
+        if self.fmt == "parquet":
+            pq.write_table(table, sink)
+        else:
+            with ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+        data = sink.getvalue()
+
+        tmp = os.path.join(self.root, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            # Manifest first: a consumer that sees the shard must find its checksum.
+            entry = {"file": name, "rows": rows, "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest(),
+                     "step": step, "producer": producer, "version": version, "time": time.time()}
+            self._append_manifest(entry)
+            os.rename(tmp, final)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
+        _fsync_dir(self.root)
+        return final
+
+    def _append_manifest(self, entry: dict) -> None:
+        """One write() of one line on an O_APPEND fd; flock where the filesystem supports it
+        (Lustre without -o flock raises ENOSYS: then O_APPEND alone must do)."""
+        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        fd = os.open(os.path.join(self.root, MANIFEST), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            with contextlib.suppress(OSError):
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            os.write(fd, line)
+            os.fsync(fd)
+        finally:
+            os.close(fd)  # also drops the lock
+
+    # ---- consumer side ---------------------------------------------------------------------
+
+    def claim(self, consumer: int, timeout_s: float, poll_s: float = 0.02, min_step: int | None = None) -> Claim:
+        """Lease the oldest ready shard (by step, then producer), waiting up to `timeout_s`.
+
+        Shards with step < `min_step` are left in the pool untouched.
+        """
+        start = time.monotonic()
+        while True:
+            self.release_expired()
+            for name in self.pending():
+                if min_step is not None and _sort_key(name)[0] < min_step:
+                    continue
+                claim = self._try_claim(name, consumer)
+                if claim is not None:
+                    return claim
+            waited = time.monotonic() - start
+            if waited >= timeout_s:
+                raise TimeoutError(
+                    f"no experience shard became ready in {self.root} after waiting {waited:.1f}s "
+                    f"(timeout {timeout_s}s, min_step={min_step}; {len(self.pending())} ready, "
+                    f"{len(self._list_claimed())} claimed, {len(self.consumed())} consumed): "
+                    "are the explorers running and writing to this directory?"
+                )
+            time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
+
+    def _try_claim(self, name: str, consumer: int) -> Claim | None:
+        ready = os.path.join(self.root, name)
+        path = f"{ready}.claimed-c{consumer}"
+        try:
+            os.rename(ready, path)  # the lock: only one consumer's rename finds the ready file
+            now = time.time()
+            os.utime(path, (now, now))  # the lease starts now, not when the shard was written
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None  # another consumer won, or (narrow race) a stale-lease sweep took it back
+        entry = self._manifest_entry(name)
+        digest = hashlib.sha256(data).hexdigest()
+        if entry is None or (len(data), digest) != (entry["bytes"], entry["sha256"]):
+            # Quarantine, or an expired lease would hand the same bad shard out forever.
+            os.rename(path, f"{ready}.corrupt")
+            expected = "no manifest entry" if entry is None else f"{entry['bytes']} bytes, sha256 {entry['sha256']}"
+            raise ShardCorruptError(f"shard {ready} is corrupt: {len(data)} bytes, sha256 {digest}; "
+                                    f"{MANIFEST} says {expected}; moved to {name}.corrupt")
+        reader = pa.BufferReader(data)
+        table = pq.read_table(reader) if name.endswith(".parquet") else ipc.open_file(reader).read_all()
+        return Claim(path=path, name=name, table=table)
+
+    def _manifest_entry(self, name: str) -> dict | None:
+        """Parse only the manifest bytes appended since the last call; keep the last entry per file."""
+        if name not in self._manifest:
+            try:
+                with open(os.path.join(self.root, MANIFEST), "rb") as f:
+                    f.seek(self._manifest_offset)
+                    chunk = f.read()
+            except FileNotFoundError:
+                chunk = b""
+            end = chunk.rfind(b"\n") + 1  # a line still being appended is left for next time
+            for line in chunk[:end].splitlines():
+                try:
+                    entry = json.loads(line)
+                    self._manifest[entry["file"]] = entry
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn line (producer killed mid-append) must not stop every consumer
+            self._manifest_offset += end
+        return self._manifest.get(name)
+
+    def commit(self, claim: Claim) -> None:
+        """Mark the shard consumed (kept on disk as <name>.done)."""
+        try:
+            os.rename(claim.path, os.path.join(self.root, claim.name + ".done"))
+        except FileNotFoundError:
+            raise LeaseExpiredError(
+                f"cannot commit {claim.name}: its lease ({self.lease_s}s) expired and it was returned "
+                f"to the pool in {self.root}, so it may be consumed again; raise buffer lease_s"
+            ) from None
+
+    def release_expired(self) -> int:
+        """Return claimed shards whose lease ran out (consumer died or stalled); how many."""
+        released = 0
+        now = time.time()
+        for claimed in self._list_claimed():
+            path = os.path.join(self.root, claimed)
+            try:
+                st = os.stat(path)
+                # ctime moves on rename and utime too, narrowing the window between a claim's
+                # rename and its utime in which an old mtime would look expired.
+                if now - max(st.st_mtime, st.st_ctime) <= self.lease_s:
+                    continue
+                os.rename(path, os.path.join(self.root, _CLAIMED.match(claimed).group(1)))
+                released += 1
+            except FileNotFoundError:
+                continue  # committed, or released by someone else, since we listed it
+        return released
+
+    # ---- inspection ------------------------------------------------------------------------
+
+    def pending(self) -> list[str]:
+        """Ready shard names, oldest (step, producer) first."""
+        return sorted((n for n in os.listdir(self.root) if _READY.match(n)), key=_sort_key)
+
+    def consumed(self) -> list[str]:
+        """Committed shard names (without the .done suffix), oldest first."""
+        names = [n[: -len(".done")] for n in os.listdir(self.root) if n.endswith(".done")]
+        return sorted((n for n in names if _READY.match(n)), key=_sort_key)
+
+    def _list_claimed(self) -> list[str]:
+        return [n for n in os.listdir(self.root) if _CLAIMED.match(n)]

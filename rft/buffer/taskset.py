@@ -1,0 +1,224 @@
+"""Reading a taskset (prompt + reference answer rows) and sampling it deterministically.
+
+Bad rows are skipped and counted rather than raised: real datasets carry a few broken lines, and
+one of them should not kill a multi-node launch. Only when *nothing* usable is left do we raise,
+with examples, because then the keys or the file are almost certainly wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import string
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import numpy as np
+
+_MAX_EXAMPLES = 5  # skipped-row messages kept in a report; the count is always exact
+
+
+@dataclass(frozen=True)
+class Task:
+    """One problem. `index` is the row's 0-based position in the file (skipped rows included),
+    so a task can be traced back to its source line (line number = index + 1 for jsonl)."""
+
+    index: int
+    prompt: str
+    answer: str
+
+
+@dataclass
+class TasksetReport:
+    """What `read_taskset` kept and dropped, for the launch log."""
+
+    path: str
+    rows: int  # valid tasks returned
+    skipped: int  # rows dropped (bad JSON, not an object, missing key, bad prompt/answer)
+    skipped_examples: list[str] = field(default_factory=list)  # at most 5, e.g. "line 7: missing key 'answer'"
+
+
+def _check_template(prompt_template: str) -> None:
+    """The template must use `{prompt}` and nothing else, or every row would fail alike."""
+    try:
+        names = {name for _, name, _, _ in string.Formatter().parse(prompt_template) if name is not None}
+    except ValueError as e:  # unbalanced braces
+        raise ValueError(
+            f"data.prompt_template={prompt_template!r} is not a valid format string ({e}); "
+            "write literal braces as '{{' and '}}'"
+        ) from None
+    if "prompt" not in names:
+        raise ValueError(
+            f"data.prompt_template={prompt_template!r} does not contain '{{prompt}}'; "
+            "add it where the prompt text goes, e.g. 'Question: {prompt}\\nAnswer:'"
+        )
+    extra = sorted(names - {"prompt"})
+    if extra:
+        raise ValueError(
+            f"data.prompt_template={prompt_template!r} uses unknown fields {extra}; only '{{prompt}}' "
+            "is filled in (write literal braces as '{{' and '}}')"
+        )
+
+
+def _jsonl_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    """Yield (0-based line index, location label, parsed object or a ValueError) per non-blank line.
+
+    Lines are read as bytes so a line with invalid UTF-8 is one skipped row, not a crash.
+    Blank lines are not rows, but they keep their line number so indices match the file.
+    """
+    with open(path, "rb") as f:
+        for i, raw in enumerate(f):
+            if not raw.strip():
+                continue
+            try:
+                yield i, f"line {i + 1}", json.loads(raw)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
+                yield i, f"line {i + 1}", ValueError(f"invalid JSON ({e.__class__.__name__}: {e})")
+
+
+def _json_array_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    """A `.json` file holding one top-level array: tolerated because it is the other common layout."""
+    with open(path, "rb") as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: starts with '[' but is not a valid JSON array ({e})") from None
+    for i, obj in enumerate(data):
+        yield i, f"row {i}", obj
+
+
+def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
+    import pyarrow.parquet as pq  # imported lazily: jsonl-only users pay nothing
+
+    for i, obj in enumerate(pq.read_table(path).to_pylist()):
+        yield i, f"row {i}", obj
+
+
+def _starts_with_bracket(path: str) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4096).lstrip()
+    return head.startswith(b"[")
+
+
+def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str) -> Task | str:
+    """Return a Task, or a short reason the row is unusable."""
+    if isinstance(obj, ValueError):
+        return str(obj)
+    if not isinstance(obj, dict):
+        return f"not a JSON object (got {type(obj).__name__})"
+    for key in (prompt_key, answer_key):
+        if key not in obj:
+            keys = ", ".join(sorted(map(str, obj))[:8])
+            return f"missing key {key!r} (row has: {keys})"
+    prompt, answer = obj[prompt_key], obj[answer_key]
+    if not isinstance(prompt, str) or not prompt.strip():
+        return f"prompt {prompt_key!r} must be a non-empty string (got {prompt!r:.40})"
+    # bool is an int subclass but True/False as a reference answer is almost surely a data bug.
+    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+        return f"answer {answer_key!r} must be a string or number (got {type(answer).__name__})"
+    answer = str(answer)
+    if not answer.strip():
+        return f"answer {answer_key!r} is empty"  # nothing to verify against
+    return Task(index=index, prompt=template.format(prompt=prompt), answer=answer)
+
+
+def read_taskset(
+    path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}"
+) -> tuple[list[Task], TasksetReport]:
+    """Read `.jsonl`/`.json` (one object per line, or one top-level array) or `.parquet` rows.
+
+    Rows that are not valid JSON, not objects, lack a key, or have a non-string/empty prompt are
+    skipped and counted in the report. Numeric answers become strings via `str()`.
+    """
+    _check_template(prompt_template)
+    if not os.path.isfile(path):
+        raise ValueError(f"taskset file {path!r} does not exist; check data.train_path / data.eval_path")
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        rows = _parquet_rows(path)
+    elif ext == ".jsonl" or (ext == ".json" and not _starts_with_bracket(path)):
+        rows = _jsonl_rows(path)
+    elif ext == ".json":
+        rows = _json_array_rows(path)
+    else:
+        raise ValueError(f"taskset file {path!r} has extension {ext!r}; use .jsonl, .json or .parquet")
+
+    tasks: list[Task] = []
+    report = TasksetReport(path=path, rows=0, skipped=0)
+    for index, where, obj in rows:
+        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template)
+        if isinstance(result, Task):
+            tasks.append(result)
+            continue
+        report.skipped += 1
+        if len(report.skipped_examples) < _MAX_EXAMPLES:
+            report.skipped_examples.append(f"{where}: {result}")
+    report.rows = len(tasks)
+    if not tasks:
+        examples = "\n  ".join(report.skipped_examples) or "(the file has no rows)"
+        raise ValueError(
+            f"taskset {path!r} has no valid rows ({report.skipped} skipped) with "
+            f"data.prompt_key={prompt_key!r}, data.answer_key={answer_key!r}; examples:\n  {examples}"
+        )
+    return tasks, report
+
+
+class TaskCursor:
+    """Deterministic, resumable sampler: epoch e visits the tasks in `default_rng(seed + e)` order.
+
+    Batches wrap across epoch boundaries so every batch is full; the cursor state is just
+    (epoch, position), so checkpointing it makes a resumed run draw exactly the same batches.
+    """
+
+    def __init__(self, tasks: list[Task], seed: int) -> None:
+        if not tasks:
+            raise ValueError("TaskCursor needs at least one task; read_taskset returned none")
+        self._tasks = list(tasks)
+        self._seed = int(seed)
+        self._epoch = 0
+        self._position = 0
+        self._perm_epoch = -1  # epoch whose permutation is cached in _perm
+        self._perm = np.empty(0, dtype=np.int64)
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self._epoch:
+            self._perm = np.random.default_rng(self._seed + self._epoch).permutation(len(self._tasks))
+            self._perm_epoch = self._epoch
+        return self._perm
+
+    def next_batch(self, n: int) -> list[Task]:
+        """The next `n` tasks; may span (several) epoch boundaries, e.g. when n > len(tasks)."""
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        out: list[Task] = []
+        while len(out) < n:
+            perm = self._permutation()
+            take = min(n - len(out), len(perm) - self._position)
+            out.extend(self._tasks[i] for i in perm[self._position : self._position + take])
+            self._position += take
+            if self._position == len(perm):
+                self._epoch += 1
+                self._position = 0
+        return out
+
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the task list (for logging)."""
+        return self._epoch
+
+    def state_dict(self) -> dict:
+        """Everything needed to resume; seed and size are kept to catch resuming on other data."""
+        return {"epoch": self._epoch, "position": self._position, "seed": self._seed, "num_tasks": len(self._tasks)}
+
+    def load_state_dict(self, d: dict) -> None:
+        for key, mine in (("seed", self._seed), ("num_tasks", len(self._tasks))):
+            if key in d and int(d[key]) != mine:
+                raise ValueError(
+                    f"cursor checkpoint has {key}={d[key]} but this run has {key}={mine}; resuming would "
+                    "draw different batches: use the same taskset and seed, or start a fresh run"
+                )
+        epoch, position = int(d["epoch"]), int(d["position"])
+        if epoch < 0 or not 0 <= position < len(self._tasks):
+            raise ValueError(f"cursor checkpoint has epoch={epoch}, position={position}; out of range "
+                             f"for {len(self._tasks)} tasks (corrupt checkpoint?)")
+        self._epoch, self._position = epoch, position

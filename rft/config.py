@@ -1,0 +1,274 @@
+"""The typed config tree: every key rft understands, its default and a one-line doc.
+
+YAML under `conf/` only selects and overrides these dataclasses; an unknown key fails at compose
+time (Hydra structured configs are in struct mode). `validate()` then checks values and the
+filesystem before any process starts, raising `ValueError` that names the key, the bad value and
+the fix.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+
+@dataclass
+class TinyModelConfig:
+    """A random-weight Qwen2 model with a character-level tokenizer, built locally (no download)."""
+
+    num_layers: int = 2  # transformer layers
+    hidden_size: int = 128  # model width
+    num_attention_heads: int = 4  # query heads
+    num_key_value_heads: int = 2  # key/value heads (grouped-query attention)
+    intermediate_size: int = 384  # SwiGLU inner width
+    max_position_embeddings: int = 128  # longest sequence (prompt + response)
+    tie_word_embeddings: bool = False  # share input embedding and output layer
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING  # short name used in logs
+    path: str = MISSING  # HF model directory (config.json, weights, tokenizer)
+    tiny: Optional[TinyModelConfig] = None  # if set, `path` is created from this config before launch
+    dtype: str = "float32"  # float32 | bfloat16 | float16: trainer master weights and vLLM dtype
+    chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+
+
+@dataclass
+class ArithmeticTaskConfig:
+    """Synthetic `a+b=` problems written to jsonl with a fixed seed before launch."""
+
+    num_train: int = 2000  # training problems
+    num_eval: int = 200  # held-out problems (disjoint from train)
+    max_operand: int = 99  # operands are drawn from [0, max_operand]
+
+
+@dataclass
+class DataConfig:
+    train_path: str = MISSING  # taskset for training: .jsonl or .parquet
+    eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
+    prompt_key: str = "question"  # column holding the prompt text
+    answer_key: str = "answer"  # column holding the reference answer
+    prompt_template: str = "{prompt}"  # format string applied to the prompt column
+    eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
+    arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
+
+
+@dataclass
+class AlgorithmConfig:
+    name: str = "grpo"  # grpo | sft
+    group_size: int = 8  # samples per task (GRPO group)
+    clip_eps: float = 0.2  # PPO ratio clip
+    norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
+    kl_coef: float = 0.0  # weight of the k3 KL to a frozen reference model (0: no reference)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    reward: str = "exact_match"  # exact_match | math_verify
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm (0: no clipping)
+    warmup_steps: int = 0  # linear LR warm-up steps
+
+
+@dataclass
+class RolloutConfig:
+    tasks_per_step: int = 16  # tasks per training step (each sampled group_size times)
+    max_new_tokens: int = 256  # response length limit
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    top_p: float = 1.0  # nucleus sampling for training rollouts
+    eval_temperature: float = 0.0  # 0: greedy eval
+    stop: list[str] = field(default_factory=list)  # extra stop strings
+    kv_cache_gb: float = 1.0  # KV cache memory for vLLM (CPU: GiB of RAM)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only)
+    tensor_parallel_size: int = 1  # vLLM TP per engine
+    max_num_seqs: int = 256  # vLLM scheduler batch limit
+    reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = MISSING  # optimizer steps in this stage
+    micro_batch_size: int = 8  # sequences per forward/backward
+    tensor_parallel_size: int = 1  # Megatron TP
+    pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
+    sft_batch_size: int = 32  # sequences per SFT step
+    threads: int = 0  # torch CPU threads per rank (0: cores / ranks)
+
+
+@dataclass
+class BufferConfig:
+    format: str = "parquet"  # parquet | arrow
+    lease_s: float = 600.0  # a claimed shard not committed within this returns to the pool
+    wait_timeout_s: float = 1800.0  # trainer gives up waiting for experience after this
+
+
+@dataclass
+class SyncConfig:
+    interval: int = 1  # trainer steps between weight syncs
+    offset: int = 0  # explorer steps ahead of the trainer (0: on-policy)
+    bucket_mb: int = 64  # weight-transfer bucket size
+    timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "local"  # local (submitit local executor) | slurm (next issue)
+    trainer_ranks: int = 1  # ranks [0, T) train
+    rollout_ranks: int = 1  # ranks [T, T+R) generate
+    timeout_min: int = 240  # wall-clock limit of the job
+    master_port: int = 0  # rendezvous port (0: pick a free one)
+
+
+@dataclass
+class MonitorConfig:
+    eval_interval: int = 0  # eval every N steps (0: only at stage start and end)
+    progress: bool = True  # live progress bar in the launcher
+    log_every: int = 1  # log scalars every N steps
+
+
+@dataclass
+class StageConfig:
+    """One stage of a multi-stage run: a name plus overrides of the top-level sections."""
+
+    name: str = MISSING  # stage name (TensorBoard prefix-free; summary row)
+    algorithm: Optional[dict[str, Any]] = None  # overrides of `algorithm`
+    trainer: Optional[dict[str, Any]] = None  # overrides of `trainer`
+    rollout: Optional[dict[str, Any]] = None  # overrides of `rollout`
+    data: Optional[dict[str, Any]] = None  # overrides of `data`
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"  # run name (output folder name)
+    output_dir: str = MISSING  # where logs, buffer, checkpoints and TensorBoard files go
+
+
+@dataclass
+class RFTConfig:
+    seed: int = 0  # seeds data order, sampling and init on every rank
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    buffer: BufferConfig = field(default_factory=BufferConfig)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    stages: list[StageConfig] = field(default_factory=list)  # empty: one stage from the top level
+
+
+def register_configs() -> None:
+    """Register the schema so `conf/config.yaml` can use it as its base (`- rft_schema`)."""
+    ConfigStore.instance().store(name="rft_schema", node=RFTConfig)
+
+
+def to_typed(cfg: DictConfig) -> RFTConfig:
+    """Turn a composed DictConfig into the dataclass tree (for IDE-friendly typed access)."""
+    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
+
+
+def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
+    """Resolve `stages:` into one full config per stage; overrides go through the typed schema."""
+    if not cfg.stages:
+        return [("main", cfg)]
+    base = OmegaConf.structured(cfg)
+    base.stages = []
+    resolved = []
+    for index, stage in enumerate(cfg.stages):
+        merged = base
+        for section in ("algorithm", "trainer", "rollout", "data"):
+            override = getattr(stage, section)
+            if override:
+                try:
+                    merged = OmegaConf.merge(merged, {section: override})
+                except Exception as err:  # omegaconf raises ConfigKeyError / ValidationError
+                    raise ValueError(
+                        f"stages[{index}] ({stage.name}).{section}: {err}. "
+                        f"Use keys that exist under `{section}` (see rft/config.py)."
+                    ) from None
+        resolved.append((stage.name, OmegaConf.to_object(merged)))
+    return resolved
+
+
+_ALGORITHMS = ("grpo", "sft")
+_REWARDS = ("exact_match", "math_verify")
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _fail(key: str, value: Any, fix: str) -> None:
+    raise ValueError(f"{key}={value!r} is invalid: {fix}")
+
+
+def _check_file(key: str, path: Optional[str], generated: bool) -> None:
+    if path is None or generated:
+        return
+    if not os.path.exists(path):
+        _fail(key, path, "no such file; point it at a .jsonl or .parquet taskset "
+                         f"(e.g. `{key}=../shared/data/gsm8k/train.jsonl`)")
+    if not path.endswith((".jsonl", ".json", ".parquet")):
+        _fail(key, path, "use a .jsonl or .parquet file")
+
+
+def validate(cfg: RFTConfig) -> None:
+    """Check values and paths before launch; raise ValueError naming the key and the fix."""
+    if cfg.cluster.kind not in ("local", "slurm"):
+        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=local` or `cluster=slurm`")
+    if cfg.cluster.kind == "slurm":
+        _fail("cluster.kind", "slurm", "Slurm launch is not built yet; use `cluster=local`")
+    if cfg.cluster.trainer_ranks < 1:
+        _fail("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
+    if cfg.cluster.rollout_ranks != 1:
+        _fail("cluster.rollout_ranks", cfg.cluster.rollout_ranks, "one rollout rank for now")
+    if cfg.model.dtype not in _DTYPES:
+        _fail("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
+    model_generated = cfg.model.tiny is not None
+    if not model_generated and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
+        _fail("model.path", cfg.model.path,
+              "not an HF model directory (no config.json); for SmolLM2-135M run "
+              "`python tools/prepare_smollm2.py` and pass `model=smollm2_135m`, or set "
+              "`model.path=/path/to/hf_model`")
+    for name, stage in stage_configs(cfg):
+        prefix = f"stages[{name}]." if cfg.stages else ""
+        algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
+        generated = data.arithmetic is not None
+        _check_file(f"{prefix}data.train_path", data.train_path, generated)
+        _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
+        if algo.name not in _ALGORITHMS:
+            _fail(f"{prefix}algorithm.name", algo.name, f"choose one of {_ALGORITHMS}")
+        if algo.reward not in _REWARDS:
+            _fail(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
+        if algo.name == "grpo" and algo.group_size < 2:
+            _fail(f"{prefix}algorithm.group_size", algo.group_size,
+                  "GRPO normalises within a group; use 2 or more samples per task")
+        if not 0 < algo.clip_eps < 1:
+            _fail(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
+        if algo.lr <= 0:
+            _fail(f"{prefix}algorithm.lr", algo.lr, "learning rate must be positive")
+        if trainer.max_steps < 0:
+            _fail(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
+        if trainer.micro_batch_size < 1:
+            _fail(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
+        tp = trainer.tensor_parallel_size
+        if cfg.cluster.trainer_ranks % tp:
+            _fail(f"{prefix}trainer.tensor_parallel_size", tp,
+                  f"must divide cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
+        if trainer.pipeline_parallel_size != 1:
+            _fail(f"{prefix}trainer.pipeline_parallel_size", trainer.pipeline_parallel_size,
+                  "pipeline parallelism arrives with the resharding issue; use 1")
+        if rollout.tasks_per_step < 1:
+            _fail(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
+        if rollout.max_new_tokens < 1:
+            _fail(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
+        if rollout.tensor_parallel_size != 1:
+            _fail(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
+                  "rollout TP>1 arrives with the resharding issue; use 1")
+    if cfg.sync.interval != 1 or cfg.sync.offset != 0:
+        _fail("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
+              "only synchronous on-policy (interval=1, offset=0) is built so far")
+    if cfg.buffer.format not in ("parquet", "arrow"):
+        _fail("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")

@@ -1,0 +1,41 @@
+"""Run megatron-core's GPTModel on machines without CUDA (laptops, CI).
+
+megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/backward:
+  - `torch.cuda.current_device()` picks the device of rotary frequencies and some buffers;
+  - the model-parallel RNG tracker saves/restores CUDA RNG state (`_get_cuda_rng_state`,
+    `_set_cuda_rng_state`, `torch.cuda.manual_seed`, `torch.cuda.get_rng_state`).
+Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives) runs on
+CPU as is. This module redirects exactly those calls to their CPU equivalents. It is applied only
+when CUDA is absent and is the one place such redirects live. Pipeline schedules, Megatron's DDP
+and optimizer still need CUDA, so the CPU trainer uses a plain microbatch loop and torch AdamW.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_APPLIED = False
+
+
+def apply_cpu_redirects() -> bool:
+    """Patch the CUDA-only calls if CUDA is unavailable; returns True if patched (idempotent)."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return False
+    if _APPLIED:
+        return True
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_rng_state(*_args, **_kwargs) -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, *_args, **_kwargs) -> None:
+        torch.set_rng_state(state)
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
+    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
+    mp_random._get_cuda_rng_state = get_rng_state
+    mp_random._set_cuda_rng_state = set_rng_state
+    _APPLIED = True
+    return True

@@ -1,0 +1,156 @@
+"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 models (local layer spec).
+
+Layouts that differ:
+  - QKV is one fused `linear_qkv` in Megatron, ordered per query group: for each KV head g,
+    the query heads of that group, then k_g, then v_g. TP splits it on dim 0 by whole groups.
+  - gate and up projections are one `linear_fc1` = [gate; up]; under TP each rank holds
+    [gate_r; up_r], so the full tensor is *not* a plain concatenation when TP > 1.
+  - Megatron pads the vocabulary to a multiple of TP; HF tensors carry the real vocabulary.
+Megatron-Bridge does this mapping too, but it does not install on Python 3.11 with
+megatron-core 0.16 (it needs a newer core), so the few rules live here and are tested against
+`transformers` logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What the mapping needs to know about the model's shapes."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int  # HF (real) vocabulary size
+    tied_embeddings: bool
+    qkv_bias: bool
+
+    @staticmethod
+    def from_hf(hf_config) -> "Geometry":
+        heads = hf_config.num_attention_heads
+        return Geometry(
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+            head_dim=getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads,
+            hidden_size=hf_config.hidden_size,
+            vocab_size=hf_config.vocab_size,
+            tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+            qkv_bias=hf_config.model_type == "qwen2",
+        )
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: Geometry) -> torch.Tensor:
+    """HF q/k/v (weight [out, in] or bias [out]) -> Megatron's per-group fused layout."""
+    per_group = g.num_heads // g.num_kv_heads
+    tail = q.shape[1:]
+    q = q.reshape(g.num_kv_heads, per_group * g.head_dim, *tail)
+    k = k.reshape(g.num_kv_heads, g.head_dim, *tail)
+    v = v.reshape(g.num_kv_heads, g.head_dim, *tail)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, g: Geometry) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of `fuse_qkv`."""
+    per_group = g.num_heads // g.num_kv_heads
+    tail = qkv.shape[1:]
+    grouped = qkv.reshape(g.num_kv_heads, (per_group + 2) * g.head_dim, *tail)
+    q, k, v = torch.split(grouped, [per_group * g.head_dim, g.head_dim, g.head_dim], dim=1)
+    return q.reshape(-1, *tail), k.reshape(-1, *tail), v.reshape(-1, *tail)
+
+
+# Megatron parameter suffix -> (TP split dim or None if replicated)
+_TP_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "self_attention.linear_qkv.weight": 0,
+    "self_attention.linear_qkv.bias": 0,
+    "self_attention.linear_proj.weight": 1,
+    "mlp.linear_fc1.weight": 0,
+    "mlp.linear_fc2.weight": 1,
+}
+
+
+def tp_split_dim(megatron_name: str) -> int | None:
+    for suffix, dim in _TP_DIM.items():
+        if megatron_name.endswith(suffix):
+            return dim
+    return None  # norms are replicated
+
+
+def hf_to_megatron_full(hf: dict[str, torch.Tensor], g: Geometry, tp: int) -> dict[str, torch.Tensor]:
+    """Full (unsharded) Megatron tensors from an HF state dict. fc1 is [gate; up] per TP rank."""
+    out: dict[str, torch.Tensor] = {}
+    vocab = padded_vocab(g.vocab_size, tp)
+
+    def pad_vocab(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, t.new_zeros(vocab - t.shape[0], *t.shape[1:])]) if vocab > t.shape[0] else t
+
+    out["embedding.word_embeddings.weight"] = pad_vocab(hf["model.embed_tokens.weight"])
+    for i in range(g.num_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        attn = h + "self_attn."
+        out[m + "input_layernorm.weight"] = hf[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = fuse_qkv(
+            hf[attn + "q_proj.weight"], hf[attn + "k_proj.weight"], hf[attn + "v_proj.weight"], g)
+        if g.qkv_bias:
+            out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
+                hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], g)
+        out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
+        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
+        out[m + "mlp.linear_fc1.weight"] = torch.cat(
+            [torch.cat([gc, uc]) for gc, uc in zip(gate.chunk(tp), up.chunk(tp))])
+        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+    out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+    if not g.tied_embeddings:
+        out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
+    return out
+
+
+def megatron_full_to_hf(name: str, full: torch.Tensor, g: Geometry,
+                        tp: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors for one full (TP-gathered) Megatron parameter."""
+    if name == "embedding.word_embeddings.weight":
+        yield "model.embed_tokens.weight", full[: g.vocab_size]
+        if g.tied_embeddings:
+            yield "lm_head.weight", full[: g.vocab_size]
+        return
+    if name == "output_layer.weight":
+        yield "lm_head.weight", full[: g.vocab_size]
+        return
+    if name == "decoder.final_layernorm.weight":
+        yield "model.norm.weight", full
+        return
+    parts = name.split(".")
+    layer, rest = parts[2], ".".join(parts[3:])
+    h = f"model.layers.{layer}."
+    if rest == "input_layernorm.weight":
+        yield h + "input_layernorm.weight", full
+    elif rest == "pre_mlp_layernorm.weight":
+        yield h + "post_attention_layernorm.weight", full
+    elif rest in ("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias"):
+        kind = rest.rsplit(".", 1)[1]
+        q, k, v = split_qkv(full, g)
+        yield from ((h + f"self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v)))
+    elif rest == "self_attention.linear_proj.weight":
+        yield h + "self_attn.o_proj.weight", full
+    elif rest == "mlp.linear_fc1.weight":
+        shards = [s.chunk(2) for s in full.chunk(tp)]
+        yield h + "mlp.gate_proj.weight", torch.cat([s[0] for s in shards])
+        yield h + "mlp.up_proj.weight", torch.cat([s[1] for s in shards])
+    elif rest == "mlp.linear_fc2.weight":
+        yield h + "mlp.down_proj.weight", full
+    else:
+        raise KeyError(f"no HF mapping for Megatron parameter {name}")

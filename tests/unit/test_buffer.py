@@ -1,0 +1,196 @@
+"""ExperienceBuffer on a real directory: round trips, racing consumers, leases, checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from rft.buffer.shards import ExperienceBuffer, LeaseExpiredError, ShardCorruptError
+
+
+def _columns(n: int, offset: int = 0) -> dict[str, list]:
+    return {
+        "prompt_ids": [[offset + i, 2**31 - 1] for i in range(n)],
+        "response_ids": [list(range(i + 1)) for i in range(n)],
+        "response_logprobs": [[-0.5] * (i + 1) for i in range(n)],
+        "reward": [float(i) for i in range(n)],
+        "text": [f"row{i}" for i in range(n)],
+    }
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_write_claim_commit_round_trip(tmp_path, fmt):
+    buf = ExperienceBuffer(str(tmp_path / "buf"), fmt=fmt)
+    cols = _columns(4)
+    path = buf.write(cols, step=3, producer=1, version=2)
+    assert os.path.basename(path) == f"step00000003-p001.{fmt}" and os.path.isfile(path)
+    assert buf.pending() == [f"step00000003-p001.{fmt}"]
+
+    claim = buf.claim(consumer=0, timeout_s=1.0)
+    assert claim.name == f"step00000003-p001.{fmt}"
+    assert claim.path.endswith(".claimed-c0") and os.path.isfile(claim.path)
+    assert buf.pending() == [] and buf.consumed() == []
+    t = claim.table
+    assert t.schema.field("prompt_ids").type == pa.list_(pa.int32())
+    assert t.schema.field("response_ids").type == pa.list_(pa.int32())
+    assert t.schema.field("response_logprobs").type == pa.list_(pa.float32())
+    assert t.schema.field("version").type == pa.int64() and t.schema.field("step").type == pa.int64()
+    for key, values in cols.items():
+        assert t.column(key).to_pylist() == values
+    assert t.column("version").to_pylist() == [2] * 4 and t.column("step").to_pylist() == [3] * 4
+
+    buf.commit(claim)
+    assert buf.consumed() == [claim.name] and buf.pending() == []
+    assert os.path.isfile(os.path.join(buf.root, claim.name + ".done")) and not os.path.exists(claim.path)
+
+
+def test_claims_oldest_first_numerically_and_honours_min_step(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path))
+    for step, producer in [(10**8, 0), (2, 5), (10, 1), (2, 0)]:
+        buf.write({"x": [1]}, step=step, producer=producer, version=0)
+    assert buf.claim(0, timeout_s=1.0, min_step=10).name == "step00000010-p001.parquet"
+    order = [buf.claim(0, timeout_s=1.0).name for _ in range(3)]
+    assert order == ["step00000002-p000.parquet", "step00000002-p005.parquet", "step100000000-p000.parquet"]
+
+
+def test_manifest_lines_match_files(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path))
+    before = time.time()
+    paths = [buf.write(_columns(3), step=1, producer=p, version=7) for p in (0, 1)]
+    lines = (tmp_path / "manifest.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    for line, path, producer in zip(lines, paths, (0, 1)):
+        entry = json.loads(line)
+        data = Path(path).read_bytes()
+        assert entry["file"] == os.path.basename(path)
+        assert entry["rows"] == 3 and entry["bytes"] == len(data)
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest()
+        assert (entry["step"], entry["producer"], entry["version"]) == (1, producer, 7)
+        assert before <= entry["time"] <= time.time()
+    assert not [n for n in os.listdir(tmp_path) if ".tmp-" in n]  # no temp files left behind
+
+
+def test_claim_timeout_raises_with_root_and_wait(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path))
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=str(tmp_path)) as err:
+        buf.claim(consumer=0, timeout_s=0.2)
+    assert time.monotonic() - start >= 0.2
+    assert "waiting 0.2s" in str(err.value)
+
+
+def test_expired_lease_returns_uncommitted_claim_to_pool(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path), lease_s=1.0)  # margin for a loaded CI box
+    buf.write({"x": [1, 2]}, step=0, producer=0, version=0)
+    stale = buf.claim(consumer=0, timeout_s=1.0)
+    with pytest.raises(TimeoutError):  # still leased: nobody else may take it
+        buf.claim(consumer=1, timeout_s=0.05)
+    time.sleep(1.2)
+    other = ExperienceBuffer(str(tmp_path), lease_s=1.0)
+    assert other.release_expired() == 1 and other.pending() == [stale.name]
+    fresh = other.claim(consumer=1, timeout_s=1.0)
+    assert fresh.name == stale.name and fresh.table.equals(stale.table)
+    with pytest.raises(LeaseExpiredError, match=stale.name):
+        buf.commit(stale)
+    other.commit(fresh)
+    assert other.consumed() == [stale.name] and other.pending() == []
+
+
+def test_claim_itself_releases_expired_leases(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path), lease_s=0.2)
+    buf.write({"x": [1]}, step=0, producer=0, version=0)
+    buf.claim(consumer=0, timeout_s=1.0)  # consumer 0 "dies" without committing
+    time.sleep(0.3)
+    assert buf.claim(consumer=1, timeout_s=1.0).path.endswith(".claimed-c1")
+
+
+def test_checksum_mismatch_is_detected_and_quarantined(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path))
+    path = buf.write(_columns(5), step=0, producer=0, version=0)
+    data = bytearray(Path(path).read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes
+    Path(path).write_bytes(bytes(data))
+    with pytest.raises(ShardCorruptError, match="sha256"):
+        buf.claim(consumer=0, timeout_s=1.0)
+    assert buf.pending() == [] and os.path.exists(path + ".corrupt")
+
+
+def test_shard_without_manifest_entry_is_rejected(tmp_path):
+    src = ExperienceBuffer(str(tmp_path / "a"))
+    path = src.write({"x": [1]}, step=0, producer=0, version=0)
+    dst = ExperienceBuffer(str(tmp_path / "b"))
+    os.rename(path, os.path.join(dst.root, os.path.basename(path)))
+    with pytest.raises(ShardCorruptError, match="no manifest entry"):
+        dst.claim(consumer=0, timeout_s=1.0)
+
+
+def test_write_rejects_bad_columns_and_duplicates(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path))
+    with pytest.raises(ValueError, match="'b'"):
+        buf.write({"a": [1, 2], "b": [1]}, step=0, producer=0, version=0)
+    with pytest.raises(ValueError, match="'version'"):
+        buf.write({"version": [1]}, step=0, producer=0, version=0)
+    with pytest.raises(ValueError, match="'input_ids'"):
+        buf.write({"input_ids": [["a"]]}, step=0, producer=0, version=0)
+    with pytest.raises(ValueError, match="'input_ids'"):
+        buf.write({"input_ids": [[2**31]]}, step=0, producer=0, version=0)  # does not fit int32
+    assert buf.pending() == [] and not (tmp_path / "manifest.jsonl").exists()
+    buf.write({"a": [1]}, step=0, producer=0, version=0)
+    with pytest.raises(FileExistsError):
+        buf.write({"a": [1]}, step=0, producer=0, version=0)
+    buf.commit(buf.claim(0, timeout_s=1.0))
+    with pytest.raises(FileExistsError):
+        buf.write({"a": [1]}, step=0, producer=0, version=0)
+
+
+def test_bad_format_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="'csv'"):
+        ExperienceBuffer(str(tmp_path), fmt="csv")
+
+
+def _consume_all(root: str, consumer: int, start, out) -> None:
+    """Child process: claim and commit until the pool stays empty, reporting what it got."""
+    buf = ExperienceBuffer(root)
+    start.wait()
+    got = []
+    while True:
+        try:
+            claim = buf.claim(consumer, timeout_s=0.5, poll_s=0.001)
+        except TimeoutError:
+            break
+        got.append((claim.name, claim.table.column("prompt_ids").to_pylist()[0][0]))
+        buf.commit(claim)
+    out.put((consumer, got))
+
+
+def test_racing_consumers_claim_each_shard_exactly_once(tmp_path):
+    root = str(tmp_path)
+    buf = ExperienceBuffer(root)
+    shards = 40
+    for i in range(shards):
+        buf.write(_columns(2, offset=1000 * i), step=i // 4, producer=i % 4, version=0)
+    ctx = mp.get_context("spawn")  # fork after pyarrow has started threads is unsafe
+    start, out = ctx.Event(), ctx.Queue()
+    procs = [ctx.Process(target=_consume_all, args=(root, c, start, out)) for c in range(3)]
+    for p in procs:
+        p.start()
+    start.set()
+    results = dict(out.get(timeout=60) for _ in procs)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    names = [name for got in results.values() for name, _ in got]
+    assert len(names) == shards and len(set(names)) == shards
+    assert sorted(names) == sorted(buf.consumed()) and buf.pending() == []
+    # each claim read the table of the shard it names
+    for got in results.values():
+        for name, first in got:
+            step, producer = int(name[4:12]), int(name[14:17])
+            assert first == 1000 * (4 * step + producer)

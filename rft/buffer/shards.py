@@ -51,6 +51,7 @@ class Claim:
     path: str  # the claimed file, <root>/<name>.claimed-c<k>
     name: str  # the shard's ready name, e.g. step00000012-p003.parquet
     table: pa.Table
+    waited_s: float = 0.0  # time spent waiting for a shard to appear (not buffer I/O)
 
 
 def _sort_key(name: str) -> tuple[int, int]:
@@ -176,8 +177,10 @@ class ExperienceBuffer:
             for name in self.pending():
                 if min_step is not None and _sort_key(name)[0] < min_step:
                     continue
+                waited = time.monotonic() - start
                 claim = self._try_claim(name, consumer)
                 if claim is not None:
+                    claim.waited_s = waited
                     return claim
             waited = time.monotonic() - start
             if waited >= timeout_s:

@@ -1,0 +1,92 @@
+"""Ranks -> roles, and the process groups every rank creates in the same order.
+
+Global ranks [0, T) are trainer ranks, [T, T+R) rollout ranks. Each rank learns its role from
+its rank (submitit launches one task per slot and has no heterogeneous jobs). Two groups exist:
+  1. the trainer group: torch.distributed's default group over trainer ranks only (Megatron's
+     parallel state lives on it); rollout ranks never join it, because vLLM owns the default
+     group inside its own worker processes;
+  2. the weight group: trainer rank 0 plus every rollout engine (rft/weights/group.py), on the
+     port after the trainer group's.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+
+from rft.config import ClusterConfig
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int  # global rank in the job
+    world_size: int  # trainer + rollout ranks
+    trainer_ranks: int
+    rollout_ranks: int
+    master_addr: str
+    master_port: int  # trainer group; the weight group uses master_port + 1
+
+    @property
+    def role(self) -> str:
+        return "trainer" if self.rank < self.trainer_ranks else "rollout"
+
+    @property
+    def role_rank(self) -> int:
+        """Rank within its role (trainer rank i, rollout rank j)."""
+        return self.rank if self.role == "trainer" else self.rank - self.trainer_ranks
+
+    @property
+    def weight_port(self) -> int:
+        return self.master_port + 1
+
+    def weight_peer_names(self) -> list[str]:
+        """Names of the weight group's members in group-rank order, for error messages."""
+        return ["trainer rank 0"] + [f"rollout rank {self.trainer_ranks + j}"
+                                     for j in range(self.rollout_ranks)]
+
+
+def free_port() -> int:
+    """A port that is free now and whose successor is free too (trainer + weight groups)."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("could not find two consecutive free ports on 127.0.0.1")
+
+
+def rank_info_from_env(cluster: ClusterConfig, master_port: int) -> RankInfo:
+    """Read this task's global rank from submitit's environment (local executor or Slurm)."""
+    import submitit
+
+    env = submitit.JobEnvironment()
+    world = cluster.trainer_ranks + cluster.rollout_ranks
+    if env.num_tasks != world:
+        raise RuntimeError(f"job has {env.num_tasks} tasks but cluster.trainer_ranks + "
+                           f"cluster.rollout_ranks = {world}")
+    addr = "127.0.0.1" if cluster.kind == "local" else env.hostnames[0]
+    return RankInfo(rank=env.global_rank, world_size=world, trainer_ranks=cluster.trainer_ranks,
+                    rollout_ranks=cluster.rollout_ranks, master_addr=addr, master_port=master_port)
+
+
+def init_trainer_group(info: RankInfo, timeout_s: float) -> None:
+    """torch.distributed default group over the trainer ranks (gloo on CPU, NCCL on GPU)."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    assert info.role == "trainer"
+    os.environ["MASTER_ADDR"] = info.master_addr
+    os.environ["MASTER_PORT"] = str(info.master_port)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", info.rank % torch.cuda.device_count())))
+    dist.init_process_group(backend, rank=info.rank, world_size=info.trainer_ranks,
+                            timeout=datetime.timedelta(seconds=timeout_s))

@@ -1,0 +1,99 @@
+"""`python -m rft.launch +experiment=NAME [overrides]`: compose, validate, plan, submit, watch.
+
+    compose (Hydra) -> prepare generated inputs (tiny model, synthetic data) -> validate
+    -> print the plan -> submit one job of T+R tasks (submitit) -> progress bar -> summary
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from rft.config import RFTConfig, register_configs, validate
+
+register_configs()
+
+
+def prepare(cfg: RFTConfig) -> None:
+    """Create what the config says to generate: the tiny model and synthetic tasksets."""
+    from rft.buffer.arithmetic import write_arithmetic_tasksets
+
+    os.makedirs(cfg.run.output_dir, exist_ok=True)
+    if cfg.data.arithmetic is not None:
+        train, evals = write_arithmetic_tasksets(cfg.data.arithmetic, os.path.dirname(cfg.data.train_path),
+                                                 cfg.seed)
+        cfg.data.train_path, cfg.data.eval_path = train, evals
+    if cfg.model.tiny is not None:
+        from rft.models.tiny import create_tiny_model
+
+        create_tiny_model(cfg.model.tiny, cfg.model.path, cfg.seed)
+
+
+def print_plan(cfg: RFTConfig, log_dir: str) -> None:
+    from rich.table import Table
+
+    from rft.config import stage_configs
+    from rft.report import console
+
+    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
+    table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
+    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={cfg.trainer.tensor_parallel_size})")
+    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM, model {cfg.model.name})")
+    table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
+                                      for n, s in stage_configs(cfg)))
+    table.add_row("output dir", cfg.run.output_dir)
+    table.add_row("logs", log_dir)
+    table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
+    console.print(table)
+
+
+def submit(cfg: RFTConfig) -> int:
+    """Run the job through submitit's executor; return the process exit code."""
+    import submitit
+
+    from rft.cluster import free_port
+    from rft.job import run_rank
+    from rft.report import build_summary, console, print_summary, watch
+    from rft.monitor import write_json_atomic
+
+    log_dir = os.path.join(cfg.run.output_dir, "logs")
+    print_plan(cfg, log_dir)
+    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
+    executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min,
+                               gpus_per_node=0)
+    port = cfg.cluster.master_port or free_port()
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    OmegaConf.save(OmegaConf.create(config), os.path.join(cfg.run.output_dir, "config.yaml"))
+    job = executor.submit(run_rank, config, port)
+    console.print(f"submitted job {job.job_id} ({world} tasks)")
+    failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress)
+    if failure is not None:
+        job.cancel()
+        console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}")
+        return 1
+    summary = build_summary(cfg.run.output_dir, world)
+    write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+    print_summary(summary)
+    console.print(f"outputs: {cfg.run.output_dir}")
+    return 0
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> None:
+    cfg: RFTConfig = OmegaConf.to_object(dcfg)
+    cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
+    try:
+        validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
+        prepare(cfg)
+    except ValueError as err:
+        print(f"rft: config error: {err}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(submit(cfg))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""TensorBoard scalars, the progress file the launcher renders, and the end-of-run summary.
+
+Ranks never print progress themselves (their stdout goes to per-rank log files); they write small
+JSON files atomically into the run directory and the launcher turns them into a live progress bar
+and the summary table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+
+def write_json_atomic(path: str, payload: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+def append_jsonl(path: str, payload: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(payload) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Monitor:
+    """Per-rank scalar logger: TensorBoard events plus a jsonl copy the launcher and tools read."""
+
+    def __init__(self, run_dir: str, rank_name: str):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.run_dir = run_dir
+        self.metrics_dir = os.path.join(run_dir, "metrics")
+        os.makedirs(self.metrics_dir, exist_ok=True)
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{rank_name}")
+        self.jsonl = os.path.join(self.metrics_dir, f"{rank_name}.jsonl")
+
+    def log(self, step: int, scalars: dict[str, float], stage: str) -> None:
+        for key, value in scalars.items():
+            self.writer.add_scalar(key, float(value), global_step=step)
+        self.writer.flush()
+        append_jsonl(self.jsonl, {"step": step, "stage": stage, "time": time.time(), **scalars})
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def progress_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "progress.json")
+
+
+def eval_path(run_dir: str) -> str:
+    return os.path.join(run_dir, "metrics", "eval.jsonl")
+
+
+def rank_summary_path(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, "metrics", f"summary-rank{rank}.json")

@@ -1,0 +1,154 @@
+"""Launcher-side view of a running job: live progress bar, failure detection, summary table."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import time
+from dataclasses import dataclass
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from rft.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
+
+console = Console()
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    log_path: str
+    reason: str
+
+
+def _task_result(log_dir: str, job_id: str, rank: int) -> tuple[str, object] | None:
+    path = os.path.join(log_dir, f"{job_id}_{rank}_result.pkl")
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except Exception:  # being written right now
+        return None
+
+
+def _pid_alive(pid_file: str) -> bool | None:
+    if not os.path.exists(pid_file):
+        return None
+    try:
+        os.kill(int(open(pid_file).read().strip()), 0)
+        return True
+    except (ProcessLookupError, ValueError):
+        return False
+
+
+def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int) -> RankFailure | None:
+    """A rank that raised (submitit's result pickle says error) or whose process vanished."""
+    from rft.job import pid_path
+
+    for rank in range(world_size):
+        log = os.path.join(log_dir, f"{job_id}_{rank}_log.err")
+        result = _task_result(log_dir, job_id, rank)
+        if result is not None and result[0] == "error":
+            last = str(result[1]).strip().splitlines()[-1:] or ["(no traceback)"]
+            return RankFailure(rank, log, last[0])
+        if result is None and _pid_alive(pid_path(run_dir, rank)) is False:
+            time.sleep(1.0)  # the result file may land just after the process exits
+            if _task_result(log_dir, job_id, rank) is None:
+                return RankFailure(rank, log, "process exited without a result (killed?)")
+    return None
+
+
+def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
+          poll_s: float = 1.0) -> RankFailure | None:
+    """Render progress until the job ends; return the first failed rank, if any."""
+    progress = Progress(TextColumn("[bold]{task.fields[stage]}"), BarColumn(),
+                        TextColumn("step {task.completed}/{task.total}"),
+                        TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
+                        TextColumn("ETA"), TimeRemainingColumn(), console=console,
+                        disable=not show_progress)
+    with progress:
+        bar = progress.add_task("run", total=None, stage="starting", reward="-")
+        while not job.done():
+            failure = find_failure(run_dir, log_dir, job.job_id, world_size)
+            if failure is not None:
+                return failure
+            state = _read_json(progress_path(run_dir))
+            if state:
+                reward = state.get("reward")
+                progress.update(bar, total=state["total_steps"], completed=state["step"],
+                                stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
+                                reward="-" if reward is None else f"{reward:.3f}")
+            time.sleep(poll_s)
+    return find_failure(run_dir, log_dir, job.job_id, world_size)
+
+
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def build_summary(run_dir: str, world_size: int) -> dict:
+    """Eval accuracy at start/end of each stage, time split, skipped rows, reward errors."""
+    ranks = [_read_json(rank_summary_path(run_dir, r)) or {} for r in range(world_size)]
+    trainer = next((r for r in ranks if r.get("role") == "trainer"), {})
+    rollout = next((r for r in ranks if r.get("role") == "rollout"), {})
+    stages: dict[str, dict] = {}
+    for row in read_jsonl(eval_path(run_dir)):
+        entry = stages.setdefault(row["stage"], {})
+        if row["when"] == "start":
+            entry.setdefault("start", row["accuracy"])
+        entry["end"] = row["accuracy"]
+    wall = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
+    split = {
+        "startup_s": rollout.get("startup_s", 0.0),
+        "rollout_s": rollout.get("rollout_s", 0.0),
+        "eval_s": rollout.get("eval_s", 0.0),
+        "train_s": trainer.get("train_s", 0.0),
+        "sync_s": trainer.get("sync_s", 0.0),
+        "buffer_s": trainer.get("buffer_s", 0.0) + rollout.get("buffer_s", 0.0),
+    }
+    split["other_s"] = max(0.0, wall - sum(split.values()))
+    return {"stages": stages, "wall_s": wall, "time_split": split, "steps": trainer.get("steps", 0),
+            "skipped_rows": rollout.get("skipped_rows", {}), "reward_errors": rollout.get("reward_errors", 0)}
+
+
+def print_summary(summary: dict) -> None:
+    table = Table(title="rft run summary")
+    table.add_column("stage")
+    table.add_column("eval accuracy (start)", justify="right")
+    table.add_column("eval accuracy (end)", justify="right")
+    table.add_column("change", justify="right")
+    for name, acc in summary["stages"].items():
+        start, end = acc.get("start"), acc.get("end")
+        delta = "-" if start is None or end is None else f"{100 * (end - start):+.1f} pts"
+        table.add_row(name, _pct(start), _pct(end), delta)
+    console.print(table)
+    split = Table(title=f"wall time {summary['wall_s']:.1f}s, {summary['steps']} steps")
+    split.add_column("part")
+    split.add_column("seconds", justify="right")
+    split.add_column("share", justify="right")
+    for part, seconds in summary["time_split"].items():
+        share = seconds / summary["wall_s"] if summary["wall_s"] else 0.0
+        split.add_row(part.removesuffix("_s"), f"{seconds:.1f}", f"{100 * share:.0f}%")
+    console.print(split)
+    skipped = {p: n for p, n in summary["skipped_rows"].items() if n}
+    for path, n in skipped.items():
+        console.print(f"[yellow]skipped {n} malformed rows in {path}")
+    if summary["reward_errors"]:
+        console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def latest_logs(log_dir: str) -> list[str]:
+    return sorted(glob.glob(os.path.join(log_dir, "*_log.*")))

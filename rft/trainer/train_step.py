@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rft.algorithms.grpo import k3_kl, policy_loss
+from rft.algorithms.grpo import k3_kl, policy_loss, sft_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, forward_logprobs, pack_microbatch
 from rft.weights.hf_megatron import tp_split_dim
@@ -105,7 +105,7 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
                 sums["loss/kl"] += float(kl) * float(tokens)
             sums["actor/clipfrac"] += float(clipfrac) * float(tokens)
         else:
-            pl = -(logprobs * mask).sum() / tokens.clamp(min=1)
+            pl = sft_loss(logprobs, mask)
             loss = pl
         ent = (entropy * mask).sum() / tokens.clamp(min=1)
         if algo.entropy_coef:

@@ -1,0 +1,16 @@
+"""Shared test setup: where the GSM8K files live (the checkout sits beside ../shared)."""
+
+import os
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+GSM8K_DIR = os.environ.get("RFT_GSM8K_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
+os.environ["RFT_GSM8K_DIR"] = GSM8K_DIR
+
+
+@pytest.fixture
+def gsm8k_dir() -> str:
+    if not os.path.exists(os.path.join(GSM8K_DIR, "train.jsonl")):
+        pytest.skip(f"GSM8K files not found in {GSM8K_DIR}; set RFT_GSM8K_DIR")
+    return GSM8K_DIR

@@ -272,3 +272,21 @@ def validate(cfg: RFTConfig) -> None:
               "only synchronous on-policy (interval=1, offset=0) is built so far")
     if cfg.buffer.format not in ("parquet", "arrow"):
         _fail("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
+
+
+def needs_rollouts(stage: RFTConfig) -> bool:
+    """Whether a stage learns from the explorer's rollouts (else it trains from a dataset)."""
+    return stage.algorithm.name != "sft"
+
+
+def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) -> bool:
+    """Interval evals after global step `global_step` (the stage-end eval is separate)."""
+    interval = cfg.monitor.eval_interval
+    return bool(interval) and global_step % interval == 0 and step + 1 < max_steps
+
+
+def syncs_after_step(cfg: RFTConfig, stage: RFTConfig, global_step: int, step: int) -> bool:
+    """The schedule both roles follow: weights move after every step of a rollout stage, and in
+    dataset stages (SFT) only where the explorer evaluates or the stage ends."""
+    last = step + 1 == stage.trainer.max_steps
+    return needs_rollouts(stage) or last or is_eval_step(cfg, global_step, step, stage.trainer.max_steps)

@@ -18,7 +18,7 @@ import time
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_taskset
 from rft.cluster import RankInfo
-from rft.config import RFTConfig, stage_configs
+from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflow import evaluate, run_single_turn
@@ -69,7 +69,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
                                               "num_tasks": len(eval_tasks)})
 
         cursor = None
-        if algo.name == "grpo":
+        if needs_rollouts(stage):
             tasks, report = read_taskset(data.train_path, data.prompt_key, data.answer_key,
                                          data.prompt_template)
             skipped[report.path] = report.skipped
@@ -92,11 +92,11 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
                                               "rollout/reward_errors": scorer.errors + scorer.timeouts},
                             stage_name)
             t3 = time.time()
-            engine.receive_weights(cfg.sync.bucket_mb << 20)
+            if syncs_after_step(cfg, stage, global_step + 1, step):
+                engine.receive_weights(cfg.sync.bucket_mb << 20)
             totals["sync_wait_s"] += time.time() - t3
             global_step += 1
-            if cfg.monitor.eval_interval and global_step % cfg.monitor.eval_interval == 0 \
-                    and step + 1 < stage.trainer.max_steps:
+            if is_eval_step(cfg, global_step, step, stage.trainer.max_steps):
                 run_eval("interval")
         run_eval("end")
         reward_errors += scorer.errors + scorer.timeouts + eval_scorer.errors + eval_scorer.timeouts

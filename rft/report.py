@@ -107,16 +107,13 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             entry.setdefault("start", row["accuracy"])
         entry["end"] = row["accuracy"]
     wall = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
-    split = {
-        "startup_s": rollout.get("startup_s", 0.0),
-        "rollout_s": rollout.get("rollout_s", 0.0),
-        "eval_s": rollout.get("eval_s", 0.0),
-        "train_s": trainer.get("train_s", 0.0),
-        "sync_s": trainer.get("sync_s", 0.0),
-        "buffer_s": trainer.get("buffer_s", 0.0) + rollout.get("buffer_s", 0.0),
-    }
-    split["other_s"] = max(0.0, wall - sum(split.values()))
-    return {"stages": stages, "wall_s": wall, "time_split": split, "steps": trainer.get("steps", 0),
+    # The trainer's view covers the whole step; the explorer's parts happen while it waits.
+    trainer_split = {part: trainer.get(part, 0.0) for part in ("train_s", "sync_s", "buffer_s", "wait_s")}
+    trainer_split["other_s"] = max(0.0, trainer.get("wall_s", 0.0) - sum(trainer_split.values()))
+    explorer_split = {part: rollout.get(part, 0.0)
+                      for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s")}
+    return {"stages": stages, "wall_s": wall, "steps": trainer.get("steps", 0),
+            "time_split": {"trainer": trainer_split, "explorer": explorer_split},
             "skipped_rows": rollout.get("skipped_rows", {}), "reward_errors": rollout.get("reward_errors", 0)}
 
 
@@ -132,12 +129,14 @@ def print_summary(summary: dict) -> None:
         table.add_row(name, _pct(start), _pct(end), delta)
     console.print(table)
     split = Table(title=f"wall time {summary['wall_s']:.1f}s, {summary['steps']} steps")
+    split.add_column("rank")
     split.add_column("part")
     split.add_column("seconds", justify="right")
-    split.add_column("share", justify="right")
-    for part, seconds in summary["time_split"].items():
-        share = seconds / summary["wall_s"] if summary["wall_s"] else 0.0
-        split.add_row(part.removesuffix("_s"), f"{seconds:.1f}", f"{100 * share:.0f}%")
+    split.add_column("share of wall", justify="right")
+    for role, parts in summary["time_split"].items():
+        for part, seconds in parts.items():
+            share = seconds / summary["wall_s"] if summary["wall_s"] else 0.0
+            split.add_row(role, part.removesuffix("_s").replace("_", " "), f"{seconds:.1f}", f"{100 * share:.0f}%")
     console.print(split)
     skipped = {p: n for p, n in summary["skipped_rows"].items() if n}
     for path, n in skipped.items():

@@ -36,7 +36,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
     run_dir = cfg.run.output_dir
     t_start = time.time()
     engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, _max_model_len(cfg))
-    startup_s = time.time() - t_start
+    startup_s = time.time() - t_start  # overlaps the trainer's first steps
     engine.join_weight_group(info.master_addr, info.weight_port, 1 + info.role_rank,
                              1 + info.rollout_ranks, cfg.sync.timeout_s, info.weight_peer_names())
     monitor = Monitor(run_dir, f"rollout{info.rank}")

@@ -95,6 +95,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
                 batch, scalars = _experience_batch(claim.table, algo)
                 produced_by = int(claim.table.column("version")[0].as_py())
                 scalars["policy/version_lag"] = version - produced_by
+                scalars["timing/wait_s"] = claim.waited_s
+                scalars["timing/buffer_read_s"] = (t1 - t0) - claim.waited_s
                 totals["wait_s"] += claim.waited_s
                 totals["buffer_s"] += (t1 - t0) - claim.waited_s
             else:
@@ -106,6 +108,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
             if needs_rollouts(stage):
                 buffer.commit(claim)
             t4 = time.time()
+            if needs_rollouts(stage):
+                scalars["timing/buffer_read_s"] += t4 - t3  # the commit rename
             sent = 0
             if syncs_after_step(cfg, stage, global_step + 1, step):
                 version += 1

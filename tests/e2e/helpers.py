@@ -1,0 +1,28 @@
+"""Run the real launcher as a user would and read what it leaves on disk."""
+
+from __future__ import annotations
+
+import glob
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def launch(*overrides: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"],
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+
+
+def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar in the run's TensorBoard event files: tag -> [(step, value)]."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    scalars: dict[str, list[tuple[int, float]]] = {}
+    for path in glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*")):
+        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+        acc.Reload()
+        for tag in acc.Tags()["scalars"]:
+            scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
+    return scalars

@@ -1,0 +1,57 @@
+"""A shortened quickstart (same model, data and stages, fewer steps) must still learn, judged from
+its TensorBoard event files; and every scalar the monitor promises is there."""
+
+import json
+import os
+
+import pytest
+
+from tests.e2e.helpers import launch, tensorboard_scalars
+
+REQUIRED_SCALARS = [
+    "reward/mean", "reward/std", "response_length/mean", "loss/policy", "loss/kl", "actor/entropy",
+    "actor/clipfrac", "actor/grad_norm", "eval/accuracy", "timing/rollout_s", "timing/train_s",
+    "timing/sync_s", "perf/tokens_per_s", "policy/version_lag",
+]
+SFT_STEPS, GRPO_STEPS = 800, 40
+
+
+@pytest.fixture(scope="module")
+def quickstart_run(tmp_path_factory):
+    run_dir = str(tmp_path_factory.mktemp("quickstart"))
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
+                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir, result.stdout
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_learns(quickstart_run):
+    run_dir, stdout = quickstart_run
+    scalars = tensorboard_scalars(run_dir)
+    acc = sorted(scalars["eval/accuracy"])
+    # evals: start of SFT (step 0), end of SFT / start of GRPO (step SFT_STEPS), end of GRPO
+    by_step = {}
+    for step, value in acc:
+        by_step.setdefault(step, []).append(value)
+    start, after_sft, end = by_step[0][0], by_step[SFT_STEPS][-1], by_step[SFT_STEPS + GRPO_STEPS][-1]
+    assert start < 0.05, "the random-init model should not already add"
+    assert after_sft >= 0.15, f"SFT warm-up reached only {after_sft:.2f}"
+    assert end >= after_sft + 0.05, f"GRPO did not raise accuracy: {after_sft:.3f} -> {end:.3f}"
+    rewards = [v for s, v in sorted(scalars["reward/mean"])]
+    assert sum(rewards[-10:]) / 10 > sum(rewards[:10]) / 10, "training reward did not rise"
+    assert "rft run summary" in stdout and "grpo" in stdout
+
+
+@pytest.mark.slow
+def test_every_promised_scalar_is_logged(quickstart_run):
+    run_dir, _ = quickstart_run
+    scalars = tensorboard_scalars(run_dir)
+    missing = [tag for tag in REQUIRED_SCALARS if tag not in scalars]
+    assert not missing, f"missing TensorBoard scalars: {missing}"
+    grpo_steps = {s for s, _ in scalars["reward/mean"]}
+    assert len(grpo_steps) == GRPO_STEPS
+    assert all(v == 0 for _, v in scalars["policy/version_lag"])  # synchronous on-policy
+    summary = json.load(open(os.path.join(run_dir, "summary.json")))
+    assert summary["steps"] == SFT_STEPS + GRPO_STEPS
+    assert set(summary["stages"]) == {"sft", "grpo"}

@@ -1,0 +1,63 @@
+"""Time split per step of the quickstart's GRPO stage: rollout, train, sync, buffer I/O, other.
+
+    python tools/bench_quickstart.py [--sft-steps 800] [--grpo-steps 30] [--out DIR]
+
+Runs the real quickstart (SFT warm-up first, so responses look like a trained model's, then GRPO)
+through `python -m rft.launch`, then reads the per-step timings both ranks logged. A GRPO step is
+measured on the trainer from the end of one weight sync to the end of the next; `other_s` is what
+remains after rollout (generation + reward), train, sync and buffer I/O (explorer write, trainer
+read + commit): orchestration, waiting, Python overhead. The first GRPO step is left out (it also
+holds the stage-start eval). The last line is one JSON object with the means per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rft.monitor import read_jsonl  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-steps", type=int, default=800)
+    parser.add_argument("--grpo-steps", type=int, default=30)
+    parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
+    args = parser.parse_args()
+    out = args.out or tempfile.mkdtemp(prefix="rft-bench-")
+    cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", f"run.output_dir={out}",
+           "monitor.progress=false", "monitor.eval_interval=0",
+           f"stages.0.trainer.max_steps={args.sft_steps}", f"stages.1.trainer.max_steps={args.grpo_steps}"]
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True)
+    trainer = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
+               if r["stage"] == "grpo"}
+    rollout = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl"))
+               if r["stage"] == "grpo" and "timing/rollout_s" in r}
+    steps = sorted(trainer)[1:]
+    rows = []
+    print(f"{'step':>6} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'buffer':>8} {'other':>8}")
+    for step in steps:
+        t, r = trainer[step], rollout[step]
+        row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"],
+               "train_s": t["timing/train_s"], "sync_s": t["timing/sync_s"],
+               "buffer_s": t["timing/buffer_read_s"] + r["timing/buffer_write_s"]}
+        row["other_s"] = row["step_s"] - sum(v for k, v in row.items() if k != "step_s")
+        rows.append(row)
+        print(f"{step:>6} " + " ".join(f"{row[k]:>8.3f}" for k in
+                                       ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")))
+    means = {k: sum(row[k] for row in rows) / len(rows) for k in rows[0]}
+    print(f"other_s is {100 * means['other_s'] / means['step_s']:.1f}% of step_s "
+          f"over {len(rows)} GRPO steps (run dir {out})")
+    print(json.dumps({k: round(v, 4) for k, v in means.items()}))
+
+
+if __name__ == "__main__":
+    main()

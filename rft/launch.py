@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 import hydra
@@ -23,9 +24,10 @@ def prepare(cfg: RFTConfig) -> None:
 
     os.makedirs(cfg.run.output_dir, exist_ok=True)
     if cfg.data.arithmetic is not None:
-        train, evals = write_arithmetic_tasksets(cfg.data.arithmetic, os.path.dirname(cfg.data.train_path),
-                                                 cfg.seed)
-        cfg.data.train_path, cfg.data.eval_path = train, evals
+        if cfg.data.eval_path is None:
+            raise ValueError("data.eval_path=None is invalid: data.arithmetic writes a held-out set there; "
+                             "set data.eval_path to a .jsonl path")
+        write_arithmetic_tasksets(cfg.data.arithmetic, cfg.data.train_path, cfg.data.eval_path, cfg.seed)
     if cfg.model.tiny is not None:
         from rft.models.tiny import create_tiny_model
 
@@ -70,10 +72,15 @@ def submit(cfg: RFTConfig) -> int:
     OmegaConf.save(OmegaConf.create(config), os.path.join(cfg.run.output_dir, "config.yaml"))
     job = executor.submit(run_rank, config, port)
     console.print(f"submitted job {job.job_id} ({world} tasks)")
-    failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress)
+    # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress)
+    finally:
+        if not job.done():
+            job.cancel()
     if failure is not None:
-        job.cancel()
-        console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}")
+        console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
         return 1
     summary = build_summary(cfg.run.output_dir, world)
     write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)

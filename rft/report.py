@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import pickle
+import re
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,15 @@ def _task_result(log_dir: str, job_id: str, rank: int) -> tuple[str, object] | N
         return None
 
 
+def _exception_line(trace: str) -> str:
+    """The `SomeError: message` line of a traceback (messages may span several lines)."""
+    lines = trace.strip().splitlines()
+    for line in reversed(lines):
+        if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line):
+            return line
+    return lines[-1] if lines else "(no traceback)"
+
+
 def _pid_alive(pid_file: str) -> bool | None:
     if not os.path.exists(pid_file):
         return None
@@ -54,8 +64,7 @@ def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int) -> Ra
         log = os.path.join(log_dir, f"{job_id}_{rank}_log.err")
         result = _task_result(log_dir, job_id, rank)
         if result is not None and result[0] == "error":
-            last = str(result[1]).strip().splitlines()[-1:] or ["(no traceback)"]
-            return RankFailure(rank, log, last[0])
+            return RankFailure(rank, log, _exception_line(str(result[1])))
         if result is None and _pid_alive(pid_path(run_dir, rank)) is False:
             time.sleep(1.0)  # the result file may land just after the process exits
             if _task_result(log_dir, job_id, rank) is None:

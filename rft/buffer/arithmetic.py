@@ -26,16 +26,12 @@ def _problems(cfg: ArithmeticTaskConfig, seed: int) -> list[tuple[int, int]]:
     return [(int(i) // (cfg.max_operand + 1), int(i) % (cfg.max_operand + 1)) for i in flat]
 
 
-def write_arithmetic_tasksets(cfg: ArithmeticTaskConfig, out_dir: str, seed: int) -> tuple[str, str]:
-    """Write `train.jsonl` and `eval.jsonl` with keys `question` and `answer`; return their paths."""
-    os.makedirs(out_dir, exist_ok=True)
+def write_arithmetic_tasksets(cfg: ArithmeticTaskConfig, train_path: str, eval_path: str, seed: int) -> None:
+    """Write the train and eval problems as jsonl (keys `question`, `answer`) to the given paths."""
     problems = _problems(cfg, seed)
-    paths = []
-    for name, rows in (("train", problems[: cfg.num_train]), ("eval", problems[cfg.num_train :])):
-        path = os.path.join(out_dir, f"{name}.jsonl")
+    for path, rows in ((train_path, problems[: cfg.num_train]), (eval_path, problems[cfg.num_train:])):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path + ".tmp", "w") as f:
             for a, b in rows:
                 f.write(json.dumps({"question": f"{a}+{b}=", "answer": str(a + b)}) + "\n")
         os.replace(path + ".tmp", path)
-        paths.append(path)
-    return paths[0], paths[1]

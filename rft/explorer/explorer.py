@@ -37,11 +37,9 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
     t_start = time.time()
     engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, _max_model_len(cfg))
     startup_s = time.time() - t_start  # overlaps the trainer's first steps
-    engine.join_weight_group(info.master_addr, info.weight_port, 1 + info.role_rank,
-                             1 + info.rollout_ranks, cfg.sync.timeout_s, info.weight_peer_names())
     monitor = Monitor(run_dir, f"rollout{info.rank}")
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    global_step = 0
+    global_step, joined = 0, False
     totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": startup_s}
     skipped: dict[str, int] = {}
     reward_errors = 0
@@ -93,6 +91,11 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
                             stage_name)
             t3 = time.time()
             if syncs_after_step(cfg, stage, global_step + 1, step):
+                if not joined:  # the trainer opens the group at its first sync, not before
+                    engine.join_weight_group(info.master_addr, info.weight_port, 1 + info.role_rank,
+                                             1 + info.rollout_ranks, cfg.sync.timeout_s,
+                                             info.weight_peer_names())
+                    joined = True
                 engine.receive_weights(cfg.sync.bucket_mb << 20)
             totals["sync_wait_s"] += time.time() - t3
             global_step += 1

@@ -16,9 +16,9 @@ on it; the GGUF is found with `importlib.util.find_spec`, which locates a packag
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
-import json
 import shutil
 import stat
 import time
@@ -86,9 +86,9 @@ def prepare_smollm2(out_dir: str = DEFAULT_DIR) -> str:
     try:
         _convert(gguf_path, tmp)
         _match_umask(tmp)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above); rename cannot replace a directory otherwise
         try:
+            if os.path.isdir(out):
+                os.rmdir(out)  # empty (checked above); rename cannot replace a directory
             os.rename(tmp, out)
         except OSError:
             if not is_prepared(out):  # not a concurrent caller winning the race: a real error
@@ -108,8 +108,9 @@ def _convert(gguf_path: str, out: str) -> None:
     gguf_dir, gguf_file = os.path.split(gguf_path)
     start = time.monotonic()
     logger.info("loading and dequantizing %s (about 20-60 s on a CPU)", gguf_path)
-    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file,
-                                                     dtype=torch.float32)
+    # No dtype argument: its name changed between transformers 4 and 5, and float32, the default
+    # of both, is what we want (dequantized Q4_1 loses nothing in fp32; dtype is checked below).
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file)
     logger.info("loaded %s with %.1fM parameters in %.0f s", type(quantized).__name__,
                 sum(p.numel() for p in quantized.parameters()) / 1e6, time.monotonic() - start)
 
@@ -117,9 +118,12 @@ def _convert(gguf_path: str, out: str) -> None:
     config = quantized.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    config.dtype = torch.float32
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    result = plain.load_state_dict(quantized.state_dict(), strict=False)
+    plain = AutoModelForCausalLM.from_config(config)
+    state = quantized.state_dict()
+    not_fp32 = sorted(name for name, tensor in state.items() if tensor.dtype != torch.float32)
+    if not_fp32:
+        raise RuntimeError(f"dequantized SmolLM2 weights are not float32: {not_fp32[:5]}")
+    result = plain.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise RuntimeError(
             f"dequantized SmolLM2 weights do not fit the plain model: missing "

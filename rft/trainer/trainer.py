@@ -2,10 +2,9 @@
 
     for each stage:
         for each step:
-            batch  = buffer.claim(step)          # GRPO: experience from the explorer
-                     or sft_cursor.next_batch()  # SFT: reference answers
+            batch = experience from the buffer (GRPO)  or  reference answers (SFT)
             train_step(model, optimizer, batch)
-            send weights (version = step count)  # the explorer blocks on this
+            publish weights when the sync schedule says so   # the explorer blocks on this
 """
 
 from __future__ import annotations
@@ -14,6 +13,7 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
 from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
@@ -24,16 +24,16 @@ from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
 from rft.trainer.model import build_gpt_model, export_hf_weights, init_model_parallel, load_hf_state, load_hf_weights
 from rft.trainer.train_step import StepBatch, train_step
-from rft.weights.group import open_weight_group
+from rft.weights.group import WeightGroup, open_weight_group
 from rft.weights.transfer import send_weights
 
 
-def _experience_batch(table, algo) -> tuple[StepBatch, dict[str, float]]:
+def experience_batch(table, group_size: int, norm_by_std: bool) -> tuple[StepBatch, dict[str, float]]:
+    """A GRPO batch (group-normalised advantages) and reward/length statistics from a shard."""
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    advantages = group_advantages(rewards, algo.group_size, algo.norm_adv_by_std)
     responses = table.column("response_ids").to_pylist()
     batch = StepBatch(prompt_ids=table.column("prompt_ids").to_pylist(), response_ids=responses,
-                      advantages=advantages.tolist(),
+                      advantages=group_advantages(rewards, group_size, norm_by_std).tolist(),
                       old_logprobs=table.column("response_logprobs").to_pylist())
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
@@ -41,112 +41,148 @@ def _experience_batch(table, algo) -> tuple[StepBatch, dict[str, float]]:
     return batch, stats
 
 
-def _sft_batch(cursor: TaskCursor, n: int, tokenizer, chat_template: bool) -> StepBatch:
+def sft_batch(cursor: TaskCursor, n: int, tokenizer, chat_template: bool) -> StepBatch:
     tasks = cursor.next_batch(n)
     prompts = [tokenizer(format_prompt(t, tokenizer, chat_template), add_special_tokens=False).input_ids
                for t in tasks]
     return StepBatch(prompt_ids=prompts, response_ids=[reference_response(t.answer, tokenizer) for t in tasks])
 
 
+class ExperienceReader:
+    """Trainer rank 0 claims each shard; every trainer rank gets its table (TP/DP split the rows).
+
+    One claim per step, not one per rank: the explorer writes one shard per step.
+    """
+
+    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float):
+        self.buffer, self.info, self.wait_timeout_s = buffer, info, wait_timeout_s
+        self.claim = None
+
+    def next_table(self) -> tuple[object, float, float]:
+        """(table, seconds waited for the shard to appear, seconds of buffer I/O)."""
+        start = time.time()
+        payload = [None]
+        if self.info.rank == 0:
+            self.claim = self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s)
+            payload = [self.claim.table]
+        if self.info.trainer_ranks > 1:
+            dist.broadcast_object_list(payload, src=0)
+        waited = self.claim.waited_s if self.claim else 0.0
+        return payload[0], waited, time.time() - start - waited
+
+    def commit(self) -> float:
+        start = time.time()
+        if self.claim is not None:
+            self.buffer.commit(self.claim)
+            self.claim = None
+        return time.time() - start
+
+
+class WeightPublisher:
+    """Sends HF-named weights to the rollout ranks; all TP ranks take part in the gather."""
+
+    def __init__(self, cfg: RFTConfig, info: RankInfo, geo):
+        self.cfg, self.info, self.geo = cfg, info, geo
+        self.group: WeightGroup | None = None  # opened at the first sync: training overlaps vLLM start-up
+        self.version = 0
+
+    def publish(self, model) -> int:
+        """Bump the version and send it; returns payload bytes sent by this rank."""
+        self.version += 1
+        tensors = export_hf_weights(model, self.geo)
+        if self.info.rank != 0:
+            for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
+                pass
+            return 0
+        if self.group is None:
+            self.group = open_weight_group(self.info.master_addr, self.info.weight_port, 0,
+                                           1 + self.info.rollout_ranks, self.cfg.sync.timeout_s,
+                                           self.info.weight_peer_names())
+        return send_weights(self.group, tensors, self.version, self.cfg.sync.bucket_mb << 20,
+                            getattr(torch, self.cfg.model.dtype))
+
+
+def _make_optimizer(model, algo):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
+                                  betas=(0.9, 0.99))
+    warmup = max(algo.warmup_steps, 1)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+
+
 def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     from transformers import AutoTokenizer
 
-    run_dir = cfg.run.output_dir
+    run_dir, run_start = cfg.run.output_dir, time.time()
     torch.manual_seed(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    is_sender = info.rank == 0
-    group = None  # opened at the first sync, so training overlaps the rollout engine's start-up
-    monitor = Monitor(run_dir, f"trainer{info.rank}") if is_sender else None
-    buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    wire_dtype = getattr(torch, cfg.model.dtype)
+    monitor = Monitor(run_dir, f"trainer{info.rank}") if info.rank == 0 else None
+    reader = ExperienceReader(ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format,
+                                               cfg.buffer.lease_s), info, cfg.buffer.wait_timeout_s)
+    publisher = WeightPublisher(cfg, info, geo)
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
-    global_step, version = 0, 0
+    global_step = 0
     totals = {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0}
-    run_start = time.time()
     for stage_index, (stage_name, stage) in enumerate(stages):
         algo = stage.algorithm
-        optimizer = torch.optim.AdamW(model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay,
-                                      betas=(0.9, 0.99))
-        warmup = max(algo.warmup_steps, 1)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        optimizer, scheduler = _make_optimizer(model, algo)
         ref_model = None
-        if algo.name == "grpo" and algo.kl_coef > 0:
+        if needs_rollouts(stage) and algo.kl_coef > 0:
             # frozen reference: the policy at stage start (Megatron modules hold process groups,
             # so build a twin and copy the weights rather than deepcopy)
             ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval().requires_grad_(False)
         cursor = None
-        if algo.name == "sft":
+        if not needs_rollouts(stage):
             tasks, _ = read_taskset(stage.data.train_path, stage.data.prompt_key, stage.data.answer_key,
                                     stage.data.prompt_template)
             cursor = TaskCursor(tasks, cfg.seed + stage_index)
         step_start = time.time()
         for step in range(stage.trainer.max_steps):
             scalars: dict[str, float] = {}
-            if needs_rollouts(stage):
-                t0 = time.time()
-                claim = buffer.claim(consumer=info.rank, timeout_s=cfg.buffer.wait_timeout_s)
-                t1 = time.time()
-                batch, scalars = _experience_batch(claim.table, algo)
-                produced_by = int(claim.table.column("version")[0].as_py())
-                scalars["policy/version_lag"] = version - produced_by
-                scalars["timing/wait_s"] = claim.waited_s
-                scalars["timing/buffer_read_s"] = (t1 - t0) - claim.waited_s
-                totals["wait_s"] += claim.waited_s
-                totals["buffer_s"] += (t1 - t0) - claim.waited_s
+            if cursor is None:
+                table, waited, io_s = reader.next_table()
+                batch, scalars = experience_batch(table, algo.group_size, algo.norm_adv_by_std)
+                scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
+                scalars["timing/wait_s"] = waited
+                totals["wait_s"] += waited
             else:
-                batch = _sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
-            t2 = time.time()
+                batch, io_s = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template), 0.0
+            t1 = time.time()
             metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id, ref_model)
             scheduler.step()
+            t2 = time.time()
+            io_s += reader.commit()
             t3 = time.time()
-            if needs_rollouts(stage):
-                buffer.commit(claim)
+            sent = publisher.publish(model) if syncs_after_step(cfg, stage, global_step + 1, step) else 0
             t4 = time.time()
-            if needs_rollouts(stage):
-                scalars["timing/buffer_read_s"] += t4 - t3  # the commit rename
-            sent = 0
-            if syncs_after_step(cfg, stage, global_step + 1, step):
-                version += 1
-                if is_sender:
-                    if group is None:
-                        group = open_weight_group(info.master_addr, info.weight_port, 0,
-                                                  1 + info.rollout_ranks, cfg.sync.timeout_s,
-                                                  info.weight_peer_names())
-                    sent = send_weights(group, export_hf_weights(model, geo), version,
-                                        cfg.sync.bucket_mb << 20, wire_dtype)
-                else:  # other TP ranks take part in the gather
-                    for _ in export_hf_weights(model, geo):
-                        pass
-            t5 = time.time()
             global_step += 1
-            totals["train_s"] += t3 - t2
-            totals["buffer_s"] += t4 - t3
-            totals["sync_s"] += t5 - t4
-            if is_sender:
-                step_s = t5 - step_start
-                scalars.update(metrics)
-                scalars.update({"timing/train_s": t3 - t2, "timing/step_s": step_s,
-                                "perf/train_tokens_per_s": metrics["train/tokens"] / max(t3 - t2, 1e-9),
-                                "actor/lr": scheduler.get_last_lr()[0]})
-                if sent:
-                    scalars.update({"timing/sync_s": t5 - t4, "perf/sync_gbps": sent / max(t5 - t4, 1e-9) / 1e9})
-                monitor.log(global_step, scalars, stage_name)
-                write_json_atomic(progress_path(run_dir), {
-                    "stage": stage_name, "stage_index": stage_index, "num_stages": len(stages),
-                    "step": global_step, "total_steps": total_steps, "time": time.time(),
-                    "start": run_start, "reward": scalars.get("reward/mean"),
-                    "loss": scalars.get("loss/policy")})
-            step_start = time.time()
-    summary = {"role": "trainer", "rank": info.rank, "steps": global_step, "wall_s": time.time() - run_start,
-               **totals}
-    if is_sender:
+            totals["train_s"] += t2 - t1
+            totals["buffer_s"] += io_s
+            totals["sync_s"] += t4 - t3
+            if monitor is None:
+                continue
+            scalars.update(metrics)
+            scalars.update({"timing/train_s": t2 - t1, "timing/step_s": t4 - step_start,
+                            "perf/train_tokens_per_s": metrics["train/tokens"] / max(t2 - t1, 1e-9),
+                            "actor/lr": scheduler.get_last_lr()[0]})
+            if cursor is None:
+                scalars["timing/buffer_read_s"] = io_s
+            if sent:
+                scalars.update({"timing/sync_s": t4 - t3, "perf/sync_gbps": sent / max(t4 - t3, 1e-9) / 1e9})
+            monitor.log(global_step, scalars, stage_name)
+            write_json_atomic(progress_path(run_dir), {
+                "stage": stage_name, "stage_index": stage_index, "num_stages": len(stages),
+                "step": global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
+            step_start = t4
+    if monitor is not None:
         monitor.close()
+    summary = {"role": "trainer", "rank": info.rank, "steps": global_step,
+               "wall_s": time.time() - run_start, **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

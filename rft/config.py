@@ -103,6 +103,7 @@ class BufferConfig:
     format: str = "parquet"  # parquet | arrow
     lease_s: float = 600.0  # a claimed shard not committed within this returns to the pool
     wait_timeout_s: float = 1800.0  # trainer gives up waiting for experience after this
+    poll_s: float = 0.002  # how often the trainer looks for a new shard (one directory listing)
 
 
 @dataclass

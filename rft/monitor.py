@@ -41,13 +41,14 @@ class Monitor:
         self.run_dir = run_dir
         self.metrics_dir = os.path.join(run_dir, "metrics")
         os.makedirs(self.metrics_dir, exist_ok=True)
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{rank_name}")
+        # flushed by its own thread every few seconds: no file I/O on the step's critical path
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{rank_name}",
+                                    flush_secs=5)
         self.jsonl = os.path.join(self.metrics_dir, f"{rank_name}.jsonl")
 
     def log(self, step: int, scalars: dict[str, float], stage: str) -> None:
         for key, value in scalars.items():
             self.writer.add_scalar(key, float(value), global_step=step)
-        self.writer.flush()
         append_jsonl(self.jsonl, {"step": step, "stage": stage, "time": time.time(), **scalars})
 
     def close(self) -> None:

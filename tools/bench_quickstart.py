@@ -6,7 +6,8 @@ Runs the real quickstart (SFT warm-up first, so responses look like a trained mo
 through `python -m rft.launch`, then reads the per-step timings both ranks logged. A GRPO step is
 measured on the trainer from the end of one weight sync to the end of the next; `other_s` is what
 remains after rollout (generation + reward), train, sync and buffer I/O (explorer write, trainer
-read + commit): orchestration, waiting, Python overhead. The first GRPO step is left out (it also
+read + commit): orchestration, waiting, Python overhead. Sync counts the trainer's send and the
+rollout's loading of the weights after the last bucket arrives (vLLM re-processing, cache reset). The first GRPO step is left out (it also
 holds the stage-start eval). The last line is one JSON object with the means per step.
 """
 
@@ -39,15 +40,19 @@ def main() -> None:
     subprocess.run(cmd, cwd=REPO, check=True)
     trainer = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
                if r["stage"] == "grpo"}
-    rollout = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl"))
-               if r["stage"] == "grpo" and "timing/rollout_s" in r}
+    rollout: dict[int, dict] = {}
+    for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl")):
+        if r["stage"] == "grpo":
+            rollout.setdefault(r["step"], {}).update(r)
     steps = sorted(trainer)[1:]
     rows = []
     print(f"{'step':>6} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'buffer':>8} {'other':>8}")
     for step in steps:
         t, r = trainer[step], rollout[step]
         row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"],
-               "train_s": t["timing/train_s"], "sync_s": t["timing/sync_s"],
+               "train_s": t["timing/train_s"],
+               # the trainer's send plus what the rollout does after the last bucket lands
+               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"],
                "buffer_s": t["timing/buffer_read_s"] + r["timing/buffer_write_s"]}
         row["other_s"] = row["step_s"] - sum(v for k, v in row.items() if k != "step_s")
         rows.append(row)

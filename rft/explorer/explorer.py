@@ -96,7 +96,8 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
                                              1 + info.rollout_ranks, cfg.sync.timeout_s,
                                              info.weight_peer_names())
                     joined = True
-                engine.receive_weights(cfg.sync.bucket_mb << 20)
+                apply_s = engine.receive_weights(cfg.sync.bucket_mb << 20)
+                monitor.log(global_step + 1, {"timing/weight_apply_s": apply_s}, stage_name)
             totals["sync_wait_s"] += time.time() - t3
             global_step += 1
             if is_eval_step(cfg, global_step, step, stage.trainer.max_steps):

@@ -9,6 +9,7 @@ weight group (see rft/weights/group.py) from inside that worker and calls the mo
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from rft.config import ModelConfig, RolloutConfig
@@ -23,7 +24,7 @@ class WeightReceiver:
 
         self.rft_group = open_weight_group(host, port, rank, world_size, timeout_s, peer_names)
 
-    def rft_receive_weights(self, bucket_bytes: int) -> int:
+    def rft_receive_weights(self, bucket_bytes: int) -> tuple[int, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -38,9 +39,10 @@ class WeightReceiver:
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            version = receive_weights(self.rft_group, model.load_weights, bucket_bytes)
+            version, tail_s = receive_weights(self.rft_group, model.load_weights, bucket_bytes)
+            start = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)
-        return version
+        return version, tail_s + time.perf_counter() - start
 
 
 @dataclass
@@ -59,6 +61,10 @@ class RolloutEngine:
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
+        # Keep vLLM's engine core in this process (TP=1): every generate/weight-load call is then a
+        # function call instead of a ZeroMQ round trip, which the synchronous loop pays each step.
+        if rollout.tensor_parallel_size == 1:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
         import torch
@@ -90,13 +96,18 @@ class RolloutEngine:
         self.llm.collective_rpc("rft_join_weight_group",
                                 args=(host, port, rank, world_size, timeout_s, peer_names))
 
-    def receive_weights(self, bucket_bytes: int) -> int:
-        """Block until the trainer's next sync arrives; load it; return the new version."""
-        versions = self.llm.collective_rpc("rft_receive_weights", args=(bucket_bytes,))
-        self.version = int(versions[0])
+    def receive_weights(self, bucket_bytes: int) -> float:
+        """Block until the trainer's next sync arrives and load it (sets `version`).
+
+        Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
+        reset): the rollout side's share of the sync, which the sender's timing does not include.
+        """
+        replies = self.llm.collective_rpc("rft_receive_weights", args=(bucket_bytes,))
+        start = time.perf_counter()
+        self.version = int(replies[0][0])
         # Cached KV blocks were computed by the old weights; drop them.
         self.llm.reset_prefix_cache()
-        return self.version
+        return float(replies[0][1]) + time.perf_counter() - start
 
     def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop: list[str], seed: int) -> list[list[Sample]]:

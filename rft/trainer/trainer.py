@@ -54,8 +54,8 @@ class ExperienceReader:
     One claim per step, not one per rank: the explorer writes one shard per step.
     """
 
-    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float):
-        self.buffer, self.info, self.wait_timeout_s = buffer, info, wait_timeout_s
+    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float):
+        self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
         self.claim = None
 
     def next_table(self) -> tuple[object, float, float]:
@@ -63,7 +63,7 @@ class ExperienceReader:
         start = time.time()
         payload = [None]
         if self.info.rank == 0:
-            self.claim = self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s)
+            self.claim = self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)
             payload = [self.claim.table]
         if self.info.trainer_ranks > 1:
             dist.broadcast_object_list(payload, src=0)
@@ -121,7 +121,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     monitor = Monitor(run_dir, f"trainer{info.rank}") if info.rank == 0 else None
     reader = ExperienceReader(ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format,
-                                               cfg.buffer.lease_s), info, cfg.buffer.wait_timeout_s)
+                                               cfg.buffer.lease_s), info, cfg.buffer.wait_timeout_s,
+                            cfg.buffer.poll_s)
     publisher = WeightPublisher(cfg, info, geo)
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
@@ -147,13 +148,14 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
             scalars: dict[str, float] = {}
             if cursor is None:
                 table, waited, io_s = reader.next_table()
+                t1 = time.time()  # preparing the batch counts as training
                 batch, scalars = experience_batch(table, algo.group_size, algo.norm_adv_by_std)
                 scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
                 scalars["timing/wait_s"] = waited
                 totals["wait_s"] += waited
             else:
-                batch, io_s = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template), 0.0
-            t1 = time.time()
+                t1, io_s = time.time(), 0.0
+                batch = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
             metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id, ref_model)
             scheduler.step()
             t2 = time.time()

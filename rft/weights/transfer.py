@@ -12,6 +12,7 @@ arrives, so no rank ever holds more than one bucket beyond the model itself.
 from __future__ import annotations
 
 import pickle
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -60,8 +61,12 @@ def send_weights(group: WeightGroup, tensors: Iterable[tuple[str, torch.Tensor]]
 
 
 def receive_weights(group: WeightGroup, load_fn: Callable[[list[tuple[str, torch.Tensor]]], None],
-                    bucket_bytes: int) -> int:
-    """Receive one sync from group rank 0, feeding each bucket to `load_fn`; returns the version."""
+                    bucket_bytes: int) -> tuple[int, float]:
+    """Receive one sync from group rank 0, feeding each bucket to `load_fn`.
+
+    Returns (version, seconds spent after the last bucket arrived): the part of a sync the
+    sender does not see, because broadcasts complete on the sender before the receiver loads.
+    """
     header = torch.zeros(3, dtype=torch.int64)
     group.broadcast(header, "header")
     version, table_bytes, num_tensors = (int(x) for x in header)
@@ -79,5 +84,6 @@ def receive_weights(group: WeightGroup, load_fn: Callable[[list[tuple[str, torch
             numel = int(torch.Size(shape).numel())
             loaded.append((name, flat[offset: offset + numel].view(shape)))
             offset += numel
+        tail_start = time.perf_counter()
         load_fn(loaded)
-    return version
+    return version, time.perf_counter() - tail_start

@@ -74,10 +74,10 @@ def test_weight_sync_makes_vllm_match_the_trainer(tmp_path):
     proc = mp.get_context("spawn").Process(target=_trainer, args=(model_dir, trainer_port, weight_port, out))
     proc.start()
     engine.join_weight_group("127.0.0.1", weight_port, 1, 2, 120, PEERS)
-    version = engine.receive_weights(1 << 16)
+    apply_s = engine.receive_weights(1 << 16)
     proc.join(timeout=120)
     assert proc.exitcode == 0
-    assert version == 7 and engine.version == 7
+    assert engine.version == 7 and apply_s >= 0
     after = _vllm_logprobs(engine)
     trained = torch.load(out)
     for row, (b, a) in enumerate(zip(before, after)):

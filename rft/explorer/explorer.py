@@ -32,6 +32,13 @@ def _max_model_len(cfg: RFTConfig) -> int:
     return min(limit, 4096)
 
 
+def _read_tasks(path: str, data, skipped: dict[str, int]):
+    """Read a taskset and remember how many malformed rows it skipped (for the summary)."""
+    tasks, report = read_taskset(path, data.prompt_key, data.answer_key, data.prompt_template)
+    skipped[report.path] = report.skipped
+    return tasks
+
+
 def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
     run_dir = cfg.run.output_dir
     t_start = time.time()
@@ -47,12 +54,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
         algo, rollout, data = stage.algorithm, stage.rollout, stage.data
         eval_scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
         scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
-        eval_tasks = []
-        if data.eval_path:
-            eval_tasks, report = read_taskset(data.eval_path, data.prompt_key, data.answer_key,
-                                              data.prompt_template)
-            skipped[report.path] = report.skipped
-            eval_tasks = eval_tasks[: data.eval_limit] if data.eval_limit else eval_tasks
+        eval_tasks = _read_tasks(data.eval_path, data, skipped)[: data.eval_limit] if data.eval_path else []
 
         def run_eval(when: str) -> None:
             if not eval_tasks:
@@ -68,17 +70,15 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
 
         cursor = None
         if needs_rollouts(stage):
-            tasks, report = read_taskset(data.train_path, data.prompt_key, data.answer_key,
-                                         data.prompt_template)
-            skipped[report.path] = report.skipped
-            cursor = TaskCursor(tasks, cfg.seed + stage_index)
+            cursor = TaskCursor(_read_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
         run_eval("start")
         for step in range(stage.trainer.max_steps):
             if cursor is not None:
                 t0 = time.time()
                 rows = run_single_turn(engine, cursor.next_batch(rollout.tasks_per_step), algo.group_size,
                                        scorer, rollout.max_new_tokens, rollout.temperature, rollout.top_p,
-                                       list(rollout.stop), cfg.seed + 1000 * global_step, cfg.model.chat_template)
+                                       list(rollout.stop), cfg.seed * 10**9 + global_step * 10**5,
+                                       cfg.model.chat_template)
                 t1 = time.time()
                 buffer.write(rows, step=global_step, producer=info.rank, version=engine.version)
                 t2 = time.time()

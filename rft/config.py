@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 
 @dataclass
@@ -165,11 +165,6 @@ class RFTConfig:
 def register_configs() -> None:
     """Register the schema so `conf/config.yaml` can use it as its base (`- rft_schema`)."""
     ConfigStore.instance().store(name="rft_schema", node=RFTConfig)
-
-
-def to_typed(cfg: DictConfig) -> RFTConfig:
-    """Turn a composed DictConfig into the dataclass tree (for IDE-friendly typed access)."""
-    return OmegaConf.to_object(cfg)  # type: ignore[return-value]
 
 
 def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:

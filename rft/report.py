@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 import pickle
@@ -157,6 +156,3 @@ def print_summary(summary: dict) -> None:
 def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
-
-def latest_logs(log_dir: str) -> list[str]:
-    return sorted(glob.glob(os.path.join(log_dir, "*_log.*")))

@@ -231,6 +231,9 @@ def validate(cfg: RFTConfig) -> None:
         prefix = f"stages[{name}]." if cfg.stages else ""
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
         generated = data.arithmetic is not None
+        if generated and data.eval_path is None:
+            _fail(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
+                                                   "set it to a .jsonl path")
         _check_file(f"{prefix}data.train_path", data.train_path, generated)
         _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
         if algo.name not in _ALGORITHMS:

@@ -1,6 +1,6 @@
 """`python -m rft.launch +experiment=NAME [overrides]`: compose, validate, plan, submit, watch.
 
-    compose (Hydra) -> prepare generated inputs (tiny model, synthetic data) -> validate
+    compose (Hydra) -> validate -> create generated inputs (tiny model, synthetic data)
     -> print the plan -> submit one job of T+R tasks (submitit) -> progress bar -> summary
 """
 
@@ -24,9 +24,6 @@ def prepare(cfg: RFTConfig) -> None:
 
     os.makedirs(cfg.run.output_dir, exist_ok=True)
     if cfg.data.arithmetic is not None:
-        if cfg.data.eval_path is None:
-            raise ValueError("data.eval_path=None is invalid: data.arithmetic writes a held-out set there; "
-                             "set data.eval_path to a .jsonl path")
         write_arithmetic_tasksets(cfg.data.arithmetic, cfg.data.train_path, cfg.data.eval_path, cfg.seed)
     if cfg.model.tiny is not None:
         from rft.models.tiny import create_tiny_model

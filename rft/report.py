@@ -122,7 +122,8 @@ def build_summary(run_dir: str, world_size: int) -> dict:
                       for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s")}
     return {"stages": stages, "wall_s": wall, "steps": trainer.get("steps", 0),
             "time_split": {"trainer": trainer_split, "explorer": explorer_split},
-            "skipped_rows": rollout.get("skipped_rows", {}), "reward_errors": rollout.get("reward_errors", 0)}
+            "skipped_rows": {**trainer.get("skipped_rows", {}), **rollout.get("skipped_rows", {})},
+            "reward_errors": rollout.get("reward_errors", 0)}
 
 
 def print_summary(summary: dict) -> None:

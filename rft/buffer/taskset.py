@@ -222,3 +222,11 @@ class TaskCursor:
             raise ValueError(f"cursor checkpoint has epoch={epoch}, position={position}; out of range "
                              f"for {len(self._tasks)} tasks (corrupt checkpoint?)")
         self._epoch, self._position = epoch, position
+
+
+def read_stage_tasks(path: str, data, skipped: dict[str, int]) -> list[Task]:
+    """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record how many
+    malformed rows it skipped in `skipped` (path -> count), which the run summary reports."""
+    tasks, report = read_taskset(path, data.prompt_key, data.answer_key, data.prompt_template)
+    skipped[report.path] = report.skipped
+    return tasks

@@ -16,7 +16,7 @@ import os
 import time
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_taskset
+from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.cluster import RankInfo
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
@@ -30,13 +30,6 @@ def _max_model_len(cfg: RFTConfig) -> int:
 
     limit = AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
     return min(limit, 4096)
-
-
-def _read_tasks(path: str, data, skipped: dict[str, int]):
-    """Read a taskset and remember how many malformed rows it skipped (for the summary)."""
-    tasks, report = read_taskset(path, data.prompt_key, data.answer_key, data.prompt_template)
-    skipped[report.path] = report.skipped
-    return tasks
 
 
 def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
@@ -54,7 +47,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
         algo, rollout, data = stage.algorithm, stage.rollout, stage.data
         eval_scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
         scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
-        eval_tasks = _read_tasks(data.eval_path, data, skipped)[: data.eval_limit] if data.eval_path else []
+        eval_tasks = read_stage_tasks(data.eval_path, data, skipped)[: data.eval_limit] if data.eval_path else []
 
         def run_eval(when: str) -> None:
             if not eval_tasks:
@@ -70,7 +63,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
 
         cursor = None
         if needs_rollouts(stage):
-            cursor = TaskCursor(_read_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
+            cursor = TaskCursor(read_stage_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
         run_eval("start")
         for step in range(stage.trainer.max_steps):
             if cursor is not None:

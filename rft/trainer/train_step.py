@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from rft.algorithms.grpo import k3_kl, policy_loss, sft_loss
+from rft.algorithms.grpo import k3_kl, masked_mean, policy_loss, sft_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, forward_logprobs, pack_microbatch
 from rft.weights.hf_megatron import tp_split_dim
@@ -70,8 +70,7 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
     dp_rank, dp_size, dp_group = _dp()
     rows = list(range(dp_rank, len(batch.prompt_ids), dp_size))
     device = next(model.parameters()).device
-    local_tokens = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows))])
-    global_tokens = local_tokens.clone()
+    global_tokens = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows))])
     if dp_size > 1:
         dist.all_reduce(global_tokens, group=dp_group)
     denom = float(global_tokens.clamp(min=1))
@@ -100,18 +99,18 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
             if ref_model is not None and algo.kl_coef > 0:
                 with torch.no_grad():
                     ref_logprobs, _ = forward_logprobs(ref_model, mb, with_entropy=False)
-                kl = (k3_kl(logprobs, ref_logprobs) * mask).sum() / tokens.clamp(min=1)
+                kl = masked_mean(k3_kl(logprobs, ref_logprobs), mask)
                 loss = loss + algo.kl_coef * kl
-                sums["loss/kl"] += float(kl) * float(tokens)
-            sums["actor/clipfrac"] += float(clipfrac) * float(tokens)
+                sums["loss/kl"] += kl.item() * tokens.item()
+            sums["actor/clipfrac"] += clipfrac.item() * tokens.item()
         else:
             pl = sft_loss(logprobs, mask)
             loss = pl
-        ent = (entropy * mask).sum() / tokens.clamp(min=1)
+        ent = masked_mean(entropy, mask)
         if algo.entropy_coef:
             loss = loss - algo.entropy_coef * ent
-        sums["loss/policy"] += float(pl) * float(tokens)
-        sums["actor/entropy"] += float(ent) * float(tokens)
+        sums["loss/policy"] += pl.item() * tokens.item()
+        sums["actor/entropy"] += ent.item() * tokens.item()
         # token-sum of this microbatch over the global token count = its share of the token-mean
         (loss * tokens / denom).backward()
     if dp_size > 1:

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_taskset
+from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.cluster import RankInfo
 from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.prompts import format_prompt, reference_response
@@ -128,6 +128,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     total_steps = sum(s.trainer.max_steps for _, s in stages)
     global_step = 0
     totals = {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0}
+    skipped: dict[str, int] = {}
     for stage_index, (stage_name, stage) in enumerate(stages):
         algo = stage.algorithm
         optimizer, scheduler = _make_optimizer(model, algo)
@@ -140,9 +141,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
             ref_model.eval().requires_grad_(False)
         cursor = None
         if not needs_rollouts(stage):
-            tasks, _ = read_taskset(stage.data.train_path, stage.data.prompt_key, stage.data.answer_key,
-                                    stage.data.prompt_template)
-            cursor = TaskCursor(tasks, cfg.seed + stage_index)
+            cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped),
+                                cfg.seed + stage_index)
         step_start = time.time()
         for step in range(stage.trainer.max_steps):
             scalars: dict[str, float] = {}
@@ -185,6 +185,6 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     if monitor is not None:
         monitor.close()
     summary = {"role": "trainer", "rank": info.rank, "steps": global_step,
-               "wall_s": time.time() - run_start, **totals}
+               "wall_s": time.time() - run_start, "skipped_rows": skipped, **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

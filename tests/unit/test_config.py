@@ -78,3 +78,9 @@ def test_missing_dataset_file_names_the_key(tmp_path):
 def test_seed_reaches_every_stage(tmp_path):
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "seed=7")
     assert all(stage.seed == 7 for _, stage in stage_configs(cfg))
+
+
+def test_generated_arithmetic_needs_an_eval_path(tmp_path):
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "data.eval_path=null")
+    with pytest.raises(ValueError, match=r"data\.eval_path.*held-out"):
+        validate(cfg)

@@ -5,8 +5,8 @@ its rank (submitit launches one task per slot and has no heterogeneous jobs). Tw
   1. the trainer group: torch.distributed's default group over trainer ranks only (Megatron's
      parallel state lives on it); rollout ranks never join it, because vLLM owns the default
      group inside its own worker processes;
-  2. the weight group: trainer rank 0 plus every rollout engine (rft/weights/group.py), on the
-     port after the trainer group's.
+  2. the weight groups (rft/weights/engines.py): one per pipeline stage, joining that stage's
+     sender with every rollout worker; their store listens on the port after the trainer group's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ import os
 import socket
 from dataclasses import dataclass
 
-from rft.config import ClusterConfig
+from typing import TYPE_CHECKING
+
+from rft.config import ClusterConfig, RFTConfig, sync_engine
+
+if TYPE_CHECKING:
+    from rft.weights.engines import SyncLayout
 
 
 @dataclass(frozen=True)
@@ -40,10 +45,6 @@ class RankInfo:
     def weight_port(self) -> int:
         return self.master_port + 1
 
-    def weight_peer_names(self) -> list[str]:
-        """Names of the weight group's members in group-rank order, for error messages."""
-        return ["trainer rank 0"] + [f"rollout rank {self.trainer_ranks + j}"
-                                     for j in range(self.rollout_ranks)]
 
 
 def free_port() -> int:
@@ -90,3 +91,23 @@ def init_trainer_group(info: RankInfo, timeout_s: float) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", info.rank % torch.cuda.device_count())))
     dist.init_process_group(backend, rank=info.rank, world_size=info.trainer_ranks,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
+    """Weight-sync membership, identical on every rank.
+
+    Megatron orders ranks tp fastest, then dp, then pp, so stage s's first rank (TP rank 0 of
+    DP replica 0) is s x trainer_ranks / pp; it sends that stage. Each rollout rank contributes
+    one receiver per vLLM TP worker.
+    """
+    from rft.weights.engines import SyncLayout
+
+    per_stage = cfg.cluster.trainer_ranks // cfg.trainer.pipeline_parallel_size
+    workers = cfg.rollout.tensor_parallel_size
+    receivers = [f"rollout rank {info.trainer_ranks + j} worker {w}"
+                 for j in range(info.rollout_ranks) for w in range(workers)]
+    return SyncLayout(
+        engine=sync_engine(cfg.sync, on_gpu), host=info.master_addr, port=info.weight_port,
+        sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
+        receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
+        checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"))

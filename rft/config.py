@@ -110,7 +110,10 @@ class BufferConfig:
 class SyncConfig:
     interval: int = 1  # trainer steps between weight syncs
     offset: int = 0  # explorer steps ahead of the trainer (0: on-policy)
-    bucket_mb: int = 64  # weight-transfer bucket size
+    engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
+    bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
+    wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype
+    checkpoint_dir: Optional[str] = None  # checkpoint engine: where versions go (default: <run>/weights)
     timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
 
 
@@ -255,21 +258,44 @@ def validate(cfg: RFTConfig) -> None:
         if cfg.cluster.trainer_ranks % tp:
             _fail(f"{prefix}trainer.tensor_parallel_size", tp,
                   f"must divide cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
-        if trainer.pipeline_parallel_size != 1:
-            _fail(f"{prefix}trainer.pipeline_parallel_size", trainer.pipeline_parallel_size,
-                  "pipeline parallelism arrives with the resharding issue; use 1")
+        pp = trainer.pipeline_parallel_size
+        if pp < 1 or cfg.cluster.trainer_ranks % (tp * pp):
+            _fail(f"{prefix}trainer.pipeline_parallel_size", pp,
+                  f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} must divide "
+                  f"cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
         if rollout.tasks_per_step < 1:
             _fail(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
         if rollout.max_new_tokens < 1:
             _fail(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
-        if rollout.tensor_parallel_size != 1:
+        if rollout.tensor_parallel_size < 1:
+            _fail(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
+        if rollout.tensor_parallel_size != cfg.rollout.tensor_parallel_size:
             _fail(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
-                  "rollout TP>1 arrives with the resharding issue; use 1")
+                  "the vLLM engine lives for the whole run; set rollout.tensor_parallel_size globally")
+        if (tp, pp) != (cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size):
+            _fail(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
+                  "the trainer's model layout lives for the whole run; set it globally")
     if cfg.sync.interval != 1 or cfg.sync.offset != 0:
         _fail("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
               "only synchronous on-policy (interval=1, offset=0) is built so far")
+    if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
+        _fail("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
+    if cfg.sync.bucket_mb < 1:
+        _fail("sync.bucket_mb", cfg.sync.bucket_mb, "use 1 or more MiB")
+    if cfg.sync.wire_dtype != "auto" and cfg.sync.wire_dtype not in _DTYPES:
+        _fail("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
     if cfg.buffer.format not in ("parquet", "arrow"):
         _fail("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
+
+
+def sync_engine(sync: SyncConfig, on_gpu: bool) -> str:
+    """The weight-transfer engine `sync.engine=auto` resolves to on this hardware."""
+    return sync.engine if sync.engine != "auto" else ("nccl" if on_gpu else "gloo")
+
+
+def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:
+    """The dtype weights travel in: bfloat16 on GPUs by default, the model's dtype on CPU."""
+    return cfg.sync.wire_dtype if cfg.sync.wire_dtype != "auto" else ("bfloat16" if on_gpu else cfg.model.dtype)
 
 
 def needs_rollouts(stage: RFTConfig) -> bool:

@@ -17,7 +17,9 @@ import time
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
-from rft.cluster import RankInfo
+import torch
+
+from rft.cluster import RankInfo, sync_layout
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
@@ -84,12 +86,11 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
                             stage_name)
             t3 = time.time()
             if syncs_after_step(cfg, stage, global_step + 1, step):
-                if not joined:  # the trainer opens the group at its first sync, not before
-                    engine.join_weight_group(info.master_addr, info.weight_port, 1 + info.role_rank,
-                                             1 + info.rollout_ranks, cfg.sync.timeout_s,
-                                             info.weight_peer_names())
+                if not joined:  # the trainer opens the groups at its first sync, not before
+                    engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
+                                                info.role_rank * cfg.rollout.tensor_parallel_size)
                     joined = True
-                apply_s = engine.receive_weights(cfg.sync.bucket_mb << 20)
+                apply_s = engine.receive_weights()
                 monitor.log(global_step + 1, {"timing/weight_apply_s": apply_s}, stage_name)
             totals["sync_wait_s"] += time.time() - t3
             global_step += 1

@@ -1,9 +1,9 @@
 """The rollout engine: vLLM's `LLM` plus a worker extension that receives trainer weights.
 
-vLLM runs its worker in a child process with its own torch.distributed world. The extension
-(`WeightReceiver`, mixed into vLLM's worker through `worker_extension_cls`) joins rft's separate
-weight group (see rft/weights/group.py) from inside that worker and calls the model's own
-`load_weights` for each bucket, which is the path vLLM's RLHF examples use.
+vLLM's workers have their own torch.distributed world. The extension (`WeightReceiver`, mixed
+into vLLM's worker through `worker_extension_cls`) makes every worker a receiver of rft's weight
+engine (rft/weights/engines.py) and calls the model's own `load_weights` for each bucket, which is
+the path vLLM's RLHF examples use.
 """
 
 from __future__ import annotations
@@ -12,34 +12,38 @@ import os
 import time
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from rft.config import ModelConfig, RolloutConfig
+
+if TYPE_CHECKING:
+    from rft.weights.engines import SyncLayout
 
 
 class WeightReceiver:
     """Methods added to vLLM's worker (`self` is the worker) for weight updates."""
 
-    def rft_join_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                              timeout_s: float, peer_names: list[str]) -> None:
-        from rft.weights.group import open_weight_group
+    def rft_open_weight_receiver(self, layout: dict, first_index: int) -> None:
+        from rft.weights.engines import SyncLayout, make_receiver
 
-        self.rft_group = open_weight_group(host, port, rank, world_size, timeout_s, peer_names)
+        # one receiver per vLLM TP worker; `self.rank` is the worker's rank inside this engine
+        self.rft_receiver = make_receiver(SyncLayout(**layout), first_index + self.rank)
 
-    def rft_receive_weights(self, bucket_bytes: int) -> tuple[int, float]:
+    def rft_receive_weights(self) -> tuple[int, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
             initialize_layerwise_reload,
         )
 
-        from rft.weights.transfer import receive_weights
-
         # vLLM post-processes weights after loading (repacking on CPU, for one); its layerwise
         # reload restores the loaders before and re-runs that processing after, as its own
-        # checkpoint-format transfer engines do.
+        # checkpoint-format transfer engines do. `load_weights` takes full HF tensors and keeps
+        # this worker's TP slice, so any trainer TP/PP maps onto any rollout TP.
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            version, tail_s = receive_weights(self.rft_group, model.load_weights, bucket_bytes)
+            version, tail_s = self.rft_receiver.receive(model.load_weights)
             start = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)
         return version, tail_s + time.perf_counter() - start
@@ -65,6 +69,10 @@ class RolloutEngine:
         # function call instead of a ZeroMQ round trip, which the synchronous loop pays each step.
         if rollout.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        else:
+            # vLLM's CPU build pins each TP worker to its own NUMA node and refuses to start when
+            # there are fewer nodes than workers (one-socket machines); let the OS place threads.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         from vllm import LLM
 
         import torch
@@ -91,18 +99,17 @@ class RolloutEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.version = 0
 
-    def join_weight_group(self, host: str, port: int, rank: int, world_size: int,
-                          timeout_s: float, peer_names: list[str]) -> None:
-        self.llm.collective_rpc("rft_join_weight_group",
-                                args=(host, port, rank, world_size, timeout_s, peer_names))
+    def open_weight_receiver(self, layout: "SyncLayout", first_index: int) -> None:
+        """Make every vLLM worker a receiver (indices first_index, first_index + 1, ...)."""
+        self.llm.collective_rpc("rft_open_weight_receiver", args=(layout.as_dict(), first_index))
 
-    def receive_weights(self, bucket_bytes: int) -> float:
+    def receive_weights(self) -> float:
         """Block until the trainer's next sync arrives and load it (sets `version`).
 
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
         """
-        replies = self.llm.collective_rpc("rft_receive_weights", args=(bucket_bytes,))
+        replies = self.llm.collective_rpc("rft_receive_weights")
         start = time.perf_counter()
         self.version = int(replies[0][0])
         # Cached KV blocks were computed by the old weights; drop them.

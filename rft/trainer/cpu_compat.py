@@ -3,11 +3,14 @@
 megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/backward:
   - `torch.cuda.current_device()` picks the device of rotary frequencies and some buffers;
   - the model-parallel RNG tracker saves/restores CUDA RNG state (`_get_cuda_rng_state`,
-    `_set_cuda_rng_state`, `torch.cuda.manual_seed`, `torch.cuda.get_rng_state`).
+    `_set_cuda_rng_state`, `torch.cuda.manual_seed`, `torch.cuda.get_rng_state`);
+  - with pipeline stages and tied embeddings, GPTModel calls `.cuda()` on the output layer copy
+    before all-reducing it with the first stage (`Tensor.cuda` keeps the tensor where it is).
 Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives) runs on
 CPU as is. This module redirects exactly those calls to their CPU equivalents. It is applied only
-when CUDA is absent and is the one place such redirects live. Pipeline schedules, Megatron's DDP
-and optimizer still need CUDA, so the CPU trainer uses a plain microbatch loop and torch AdamW.
+when CUDA is absent and is the one place such redirects live. Megatron's pipeline schedules, DDP
+and optimizer still need CUDA, so the trainer uses its own GPipe loop (rft/trainer/pipeline.py)
+and torch AdamW.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ def apply_cpu_redirects() -> bool:
         torch.set_rng_state(state)
 
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    # GPTModel moves a tied output layer to CUDA before syncing it across pipeline stages
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
     torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
     mp_random._get_cuda_rng_state = get_rng_state

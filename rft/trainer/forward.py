@@ -1,8 +1,9 @@
 """Forward passes for training: padded microbatches in, per-token logprobs and entropy out.
 
 Logits stay vocab-parallel (each TP rank holds V/TP columns); logprob and entropy are reduced
-across the TP group with autograd-aware all-reduces, so nothing ever materialises [b, s, V] on one
-rank when TP > 1.
+across the TP group with Megatron's reduce-from-TP-region (all-reduce forward, identity backward:
+every TP rank computes the same loss, so summing gradients as well would scale them by TP), so
+nothing ever materialises [b, s, V] on one rank when TP > 1.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_fn
 
 
 @dataclass
@@ -44,10 +44,12 @@ def causal_mask(width: int, device: torch.device) -> torch.Tensor:
     return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
 
 
-def _tp_all_reduce(t: torch.Tensor, op, group) -> torch.Tensor:
+def _tp_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return t
-    return dist_fn.all_reduce(t, op=op, group=group)
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(t, group)
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_group,
@@ -56,34 +58,62 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     """log p(target) and entropy per position from vocab-parallel logits [b, s, V/tp]."""
     logits = logits.float()
     local_max = logits.max(dim=-1, keepdim=True).values.detach()
-    global_max = _tp_all_reduce(local_max, dist.ReduceOp.MAX, tp_group) if tp_group else local_max
+    global_max = local_max
+    if tp_group is not None:  # a constant shift (no gradient), identical on every TP rank
+        global_max = local_max.clone()
+        dist.all_reduce(global_max, op=dist.ReduceOp.MAX, group=tp_group)
     shifted = logits - global_max
     exp = shifted.exp()
-    sum_exp = _tp_all_reduce(exp.sum(dim=-1), dist.ReduceOp.SUM, tp_group)
+    sum_exp = _tp_sum(exp.sum(dim=-1), tp_group)
     log_z = sum_exp.log()
     local = targets - vocab_start
     in_range = (local >= 0) & (local < logits.shape[-1])
     picked = torch.gather(shifted, -1, local.clamp(0, logits.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-    picked = _tp_all_reduce(picked * in_range, dist.ReduceOp.SUM, tp_group)
+    picked = _tp_sum(picked * in_range, tp_group)
     logprobs = picked - log_z
     entropy = None
     if with_entropy:
         # H = log Z - E_p[shifted logit]
-        expected = _tp_all_reduce((exp * shifted).sum(dim=-1), dist.ReduceOp.SUM, tp_group)
+        expected = _tp_sum((exp * shifted).sum(dim=-1), tp_group)
         entropy = log_z - expected / sum_exp
     return logprobs, entropy
 
 
-def forward_logprobs(model, mb: Microbatch, with_entropy: bool = True
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-target logprobs [b, s-1] (and entropy) of `mb` under `model`."""
+def model_forward(model, mb: Microbatch) -> torch.Tensor:
+    """Logits [b, s, V/tp] on the last pipeline stage, hidden states [s, b, h] on the others.
+
+    Columns of the vocabulary padding (Megatron pads it to a multiple of TP) get a logit that
+    no softmax sees, so probabilities are over the model's real vocabulary, as in HF and vLLM.
+    """
     from megatron.core import parallel_state
 
     width = mb.input_ids.shape[1]
-    logits = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                   attention_mask=causal_mask(width, mb.input_ids.device))
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
+                attention_mask=causal_mask(width, mb.input_ids.device))
+    real_vocab = getattr(model, "real_vocab_size", None)
+    if not model.post_process or real_vocab is None:
+        return out
+    local = out.shape[-1]
+    start = parallel_state.get_tensor_model_parallel_rank() * local
+    if start + local <= real_vocab:
+        return out
+    padded = torch.arange(start, start + local, device=out.device) >= real_vocab
+    return out.masked_fill(padded, -1e9)  # finite: exp() is 0 and 0 * logit stays 0 in the entropy
+
+
+def logprobs_from_logits(logits: torch.Tensor, mb: Microbatch, with_entropy: bool = True
+                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-target logprobs [b, s-1] (and entropy) of `mb` from this rank's vocab-parallel logits."""
+    from megatron.core import parallel_state
+
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
     return vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
                                    with_entropy)
+
+
+def forward_logprobs(model, mb: Microbatch, with_entropy: bool = True
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-target logprobs [b, s-1] (and entropy) of `mb` under `model` (no pipeline stages)."""
+    return logprobs_from_logits(model_forward(model, mb), mb, with_entropy)

@@ -1,4 +1,6 @@
-"""Build a megatron-core GPTModel from an HF directory, load its weights, export HF tensors.
+"""Build a megatron-core GPTModel (this rank's TP x PP shard) shaped like an HF directory.
+
+Weights move in and out through `rft/weights/convert.py`.
 
 The trainer's model is Megatron's own `GPTModel` with the local (non-Transformer-Engine) layer
 spec, so the same code runs on CPU (gloo, see cpu_compat.py) and on GPUs.
@@ -8,23 +10,15 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
-from rft.weights.hf_megatron import (
-    Geometry,
-    hf_to_megatron_full,
-    megatron_full_to_hf,
-    padded_vocab,
-    tp_split_dim,
-)
+from rft.weights.hf_megatron import Geometry, padded_vocab
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_model_parallel(tp: int, seed: int) -> None:
+def init_model_parallel(tp: int, seed: int, pp: int = 1) -> None:
     """Megatron's parallel state over the already-initialised default group (trainer ranks)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -33,7 +27,8 @@ def init_model_parallel(tp: int, seed: int) -> None:
 
     apply_cpu_redirects()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                                 pipeline_model_parallel_size=pp)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -60,11 +55,17 @@ def build_gpt_model(hf_path: str, dtype: str = "float32"):
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(hf_path)
-    if hf.model_type not in ("llama", "qwen2"):
+    if hf.model_type not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"model.path={hf_path!r}: model_type {hf.model_type!r} is not supported yet; "
-                         "use a Llama or Qwen2 architecture")
+                         "use a Llama, Qwen2 or Qwen3 architecture")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError(f"model.path={hf_path!r}: MLP biases are not supported")
     geo = Geometry.from_hf(hf)
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if geo.num_layers % pp:
+        raise ValueError(f"trainer.pipeline_parallel_size={pp} does not divide the model's "
+                         f"{geo.num_layers} layers")
     on_gpu = torch.cuda.is_available()
     params_dtype = _DTYPES[dtype]
     config = TransformerConfig(
@@ -80,9 +81,12 @@ def build_gpt_model(hf_path: str, dtype: str = "float32"):
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=geo.qkv_bias,
+        qk_layernorm=geo.qk_norm,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -97,52 +101,17 @@ def build_gpt_model(hf_path: str, dtype: str = "float32"):
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=geo.qk_norm),
         vocab_size=padded_vocab(geo.vocab_size, tp),
         max_sequence_length=hf.max_position_embeddings,
-        pre_process=True,
-        post_process=True,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
         share_embeddings_and_output_weights=geo.tied_embeddings,
         position_embedding_type="rope",
-        rotary_base=int(getattr(hf, "rope_theta", 10000)),
+        rotary_base=geo.rope_theta,
     )
+    model.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
     if on_gpu:
         model = model.cuda()
     return model, geo
-
-
-def load_hf_weights(model, hf_state: dict[str, torch.Tensor], geo: Geometry) -> None:
-    """Copy HF weights into this rank's TP shard of `model`; every parameter must be covered."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    full = hf_to_megatron_full(hf_state, geo, tp)
-    params = dict(model.named_parameters())
-    missing = sorted(set(params) - set(full))
-    if missing:
-        raise KeyError(f"HF checkpoint does not cover Megatron parameters: {missing[:5]}")
-    with torch.no_grad():
-        for name, param in params.items():
-            dim = tp_split_dim(name)
-            src = full[name] if dim is None else full[name].chunk(tp, dim=dim)[rank]
-            if src.shape != param.shape:
-                raise ValueError(f"{name}: HF-derived shape {tuple(src.shape)} != {tuple(param.shape)}")
-            param.copy_(src.to(param.dtype))
-
-
-def export_hf_weights(model, geo: Geometry) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield HF-named full tensors, gathering TP shards (a collective: all TP ranks iterate)."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    group = parallel_state.get_tensor_model_parallel_group()
-    for name, param in model.named_parameters():
-        dim = tp_split_dim(name)
-        full = param.detach()
-        if dim is not None and tp > 1:
-            shards = [torch.empty_like(full) for _ in range(tp)]
-            torch.distributed.all_gather(shards, full.contiguous(), group=group)
-            full = torch.cat(shards, dim=dim)
-        yield from megatron_full_to_hf(name, full, geo, tp)

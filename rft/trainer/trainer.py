@@ -18,14 +18,14 @@ import torch.distributed as dist
 from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
-from rft.cluster import RankInfo
-from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step
+from rft.cluster import RankInfo, sync_layout
+from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step, wire_dtype
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
-from rft.trainer.model import build_gpt_model, export_hf_weights, init_model_parallel, load_hf_state, load_hf_weights
+from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.train_step import StepBatch, train_step
-from rft.weights.group import WeightGroup, open_weight_group
-from rft.weights.transfer import send_weights
+from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
+from rft.weights.engines import make_sender
 
 
 def experience_batch(table, group_size: int, norm_by_std: bool) -> tuple[StepBatch, dict[str, float]]:
@@ -79,27 +79,36 @@ class ExperienceReader:
 
 
 class WeightPublisher:
-    """Sends HF-named weights to the rollout ranks; all TP ranks take part in the gather."""
+    """Sends HF-named weights to the rollout workers, one sender per pipeline stage.
+
+    DP replica 0's TP ranks of each stage gather in lockstep; the stage's TP rank 0 sends.
+    """
 
     def __init__(self, cfg: RFTConfig, info: RankInfo, geo):
-        self.cfg, self.info, self.geo = cfg, info, geo
-        self.group: WeightGroup | None = None  # opened at the first sync: training overlaps vLLM start-up
-        self.version = 0
+        from megatron.core import parallel_state as ps
+
+        on_gpu = torch.cuda.is_available()
+        layout = sync_layout(cfg, info, on_gpu)
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.geo, self.version = geo, 0
+        self.exports = ps.get_data_parallel_rank() == 0
+        self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
+        self.sender = None
+        if info.rank == layout.sender_ranks[stage]:
+            assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
+            self.sender = make_sender(layout, stage, cfg.model.path)
 
     def publish(self, model) -> int:
         """Bump the version and send it; returns payload bytes sent by this rank."""
         self.version += 1
+        if not self.exports:
+            return 0
         tensors = export_hf_weights(model, self.geo)
-        if self.info.rank != 0:
+        if self.sender is None:
             for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
                 pass
             return 0
-        if self.group is None:
-            self.group = open_weight_group(self.info.master_addr, self.info.weight_port, 0,
-                                           1 + self.info.rollout_ranks, self.cfg.sync.timeout_s,
-                                           self.info.weight_peer_names())
-        return send_weights(self.group, tensors, self.version, self.cfg.sync.bucket_mb << 20,
-                            getattr(torch, self.cfg.model.dtype))
+        return self.sender.send(hf_table(model, self.geo, self.wire), tensors, self.version)
 
 
 def _make_optimizer(model, algo):
@@ -114,7 +123,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
 
     run_dir, run_start = cfg.run.output_dir, time.time()
     torch.manual_seed(cfg.seed)
-    init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed)
+    init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)

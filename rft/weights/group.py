@@ -1,10 +1,12 @@
-"""A weight-transfer process group that lives beside torch.distributed's default group.
+"""Weight-transfer process groups that live beside torch.distributed's default group.
 
-The trainer's sender and every rollout worker join it. It is built directly from a `TCPStore`
-and `ProcessGroupGloo` so it never touches the global default group: vLLM's workers own their
-own default group, Megatron's trainer ranks own theirs. Collectives are called on the group
-object itself with group-local ranks and wait with a timeout, so a dead or stalled peer raises
-an error naming the peer instead of hanging.
+Each group joins one trainer sender (one per pipeline stage) with every rollout worker. Groups are
+built directly from a `TCPStore` (hosted by trainer rank 0, one port for all groups, a prefix per
+group) and `ProcessGroupGloo` / `ProcessGroupNCCL`, so they never touch the global default group:
+vLLM's workers own theirs, Megatron's trainer ranks own theirs. Every member creates its groups in
+the same order (stage 0, 1, ...). Collectives are called on the group object with group-local ranks
+and wait with a timeout, so a dead or stalled peer raises an error naming the peers and the payload
+in flight instead of hanging.
 """
 
 from __future__ import annotations
@@ -17,47 +19,82 @@ import torch.distributed as dist
 
 
 class PeerTimeoutError(RuntimeError):
-    """A collective on the weight group did not finish in time (a peer died or stalled)."""
+    """A collective on a weight group did not finish in time (a peer died or stalled)."""
+
+
+def open_store(host: str, port: int, is_host: bool, timeout_s: float) -> dist.Store:
+    """The rendezvous store every weight group shares; trainer rank 0 hosts it."""
+    return dist.TCPStore(host, port, None, is_master=is_host,
+                         timeout=datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+@dataclass
+class Pending:
+    """An in-flight broadcast; `wait()` raises `PeerTimeoutError` naming peers and payload."""
+
+    work: dist.Work
+    group: "WeightGroup"
+    what: str
+
+    def wait(self) -> None:
+        g = self.group
+        try:
+            g.work_wait(self.work)
+        except Exception as err:
+            others = [n for i, n in enumerate(g.peer_names) if i != g.rank]
+            raise PeerTimeoutError(
+                f"weight transfer of {self.what} failed after at most {g.timeout_s:.0f}s "
+                f"(this is {g.peer_names[g.rank]}; peers: {', '.join(others)}): {err}"
+            ) from err
 
 
 @dataclass
 class WeightGroup:
-    """Group-local rank 0 sends; everyone else receives."""
+    """Group-local rank 0 sends; everyone else receives. `device` is where payloads must live."""
 
     pg: dist.ProcessGroup
     rank: int
     world_size: int
     timeout_s: float
     peer_names: list[str]
+    device: torch.device
     store: dist.Store  # the rendezvous store must outlive the group
 
-    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
-        """Broadcast `tensor` in place from group rank 0; `what` names the payload in errors."""
+    def broadcast_async(self, tensor: torch.Tensor, what: str) -> Pending:
+        """Start broadcasting `tensor` in place from group rank 0; `what` names it in errors."""
         opts = dist.BroadcastOptions()
         opts.rootRank = 0
         opts.timeout = datetime.timedelta(seconds=self.timeout_s)
-        work = self.pg.broadcast([tensor], opts)
-        try:
-            work.wait(datetime.timedelta(seconds=self.timeout_s))
-        except Exception as err:
-            others = [n for i, n in enumerate(self.peer_names) if i != self.rank]
-            raise PeerTimeoutError(
-                f"weight transfer of {what} failed after at most {self.timeout_s:.0f}s "
-                f"(group rank {self.rank}; peers {', '.join(others)}): {err}"
-            ) from err
+        return Pending(self.pg.broadcast([tensor], opts), self, what)
+
+    def broadcast(self, tensor: torch.Tensor, what: str) -> None:
+        self.broadcast_async(tensor, what).wait()
+
+    def work_wait(self, work: dist.Work) -> None:
+        # With an explicit timeout both gloo and NCCL work objects block the calling thread until
+        # the collective completes or the timeout passes, then raise.
+        work.wait(datetime.timedelta(seconds=self.timeout_s))
 
 
-def open_weight_group(host: str, port: int, rank: int, world_size: int, timeout_s: float,
-                      peer_names: list[str]) -> WeightGroup:
-    """Join (rank 0: host) the weight group. Every member calls this with the same host/port.
+def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, timeout_s: float,
+                      peer_names: list[str], backend: str = "gloo") -> WeightGroup:
+    """Join weight group `name` as group rank `rank` (0 = the sender). Blocks until all joined.
 
-    `peer_names[i]` describes group rank i (e.g. "trainer rank 0", "rollout rank 1") so errors
-    name the peer in terms the user knows.
+    `peer_names[i]` describes group rank i (e.g. "trainer rank 0 (PP stage 0)", "rollout rank 1
+    worker 0") so errors name the peer in terms the user knows. `backend` is "gloo" (CPU tensors)
+    or "nccl" (tensors on this process's current CUDA device).
     """
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(host, port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=True)
-    prefixed = dist.PrefixStore("rft-weights", store)
-    pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    prefixed = dist.PrefixStore(f"rft-weights/{name}", store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
+        device = torch.device("cuda", torch.cuda.current_device())
+    elif backend == "gloo":
+        pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+        device = torch.device("cpu")
+    else:
+        raise ValueError(f"weight group backend {backend!r}: use 'gloo' or 'nccl'")
     return WeightGroup(pg=pg, rank=rank, world_size=world_size, timeout_s=timeout_s,
-                       peer_names=peer_names, store=store)
+                       peer_names=peer_names, device=device, store=store)

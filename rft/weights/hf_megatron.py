@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 models (local layer spec).
+"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 / Qwen3 models (local layer spec).
 
 Layouts that differ:
   - QKV is one fused `linear_qkv` in Megatron, ordered per query group: for each KV head g,
@@ -6,6 +6,9 @@ Layouts that differ:
   - gate and up projections are one `linear_fc1` = [gate; up]; under TP each rank holds
     [gate_r; up_r], so the full tensor is *not* a plain concatenation when TP > 1.
   - Megatron pads the vocabulary to a multiple of TP; HF tensors carry the real vocabulary.
+  - Qwen3's per-head q/k RMSNorms are Megatron's `q_layernorm` / `k_layernorm` (replicated).
+  - Under pipeline parallelism a stage numbers its layers from 0; names here use global layer
+    numbers, and `rft/weights/convert.py` translates.
 Megatron-Bridge does this mapping too, but it does not install on Python 3.11 with
 megatron-core 0.16 (it needs a newer core), so the few rules live here and are tested against
 `transformers` logits.
@@ -31,10 +34,21 @@ class Geometry:
     vocab_size: int  # HF (real) vocabulary size
     tied_embeddings: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3
+    rope_theta: float = 10000.0
 
     @staticmethod
     def from_hf(hf_config) -> "Geometry":
         heads = hf_config.num_attention_heads
+        # transformers 5 keeps rope_theta in `rope_parameters`; older releases as an attribute
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
+        if rope_theta is None:
+            raise ValueError("HF config names no rope_theta (in rope_parameters or as an attribute)")
+        scaling = getattr(hf_config, "rope_scaling", None) or {}  # transformers 5: rope_parameters again
+        if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
+            raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet; "
+                             "use a model with plain RoPE")
         return Geometry(
             num_layers=hf_config.num_hidden_layers,
             num_heads=heads,
@@ -43,7 +57,9 @@ class Geometry:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=hf_config.model_type == "qwen2",
+            qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+            qk_norm=hf_config.model_type == "qwen3",
+            rope_theta=float(rope_theta),
         )
 
 
@@ -108,6 +124,9 @@ def hf_to_megatron_full(hf: dict[str, torch.Tensor], g: Geometry, tp: int) -> di
             out[m + "self_attention.linear_qkv.bias"] = fuse_qkv(
                 hf[attn + "q_proj.bias"], hf[attn + "k_proj.bias"], hf[attn + "v_proj.bias"], g)
         out[m + "self_attention.linear_proj.weight"] = hf[attn + "o_proj.weight"]
+        if g.qk_norm:
+            out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
         gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
         out[m + "mlp.linear_fc1.weight"] = torch.cat(
@@ -123,9 +142,8 @@ def megatron_full_to_hf(name: str, full: torch.Tensor, g: Geometry,
                         tp: int) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors for one full (TP-gathered) Megatron parameter."""
     if name == "embedding.word_embeddings.weight":
+        # a tied lm_head is the same tensor: HF checkpoints and vLLM's loaders skip it, so do we
         yield "model.embed_tokens.weight", full[: g.vocab_size]
-        if g.tied_embeddings:
-            yield "lm_head.weight", full[: g.vocab_size]
         return
     if name == "output_layer.weight":
         yield "lm_head.weight", full[: g.vocab_size]
@@ -146,6 +164,8 @@ def megatron_full_to_hf(name: str, full: torch.Tensor, g: Geometry,
         yield from ((h + f"self_attn.{p}_proj.{kind}", t) for p, t in zip("qkv", (q, k, v)))
     elif rest == "self_attention.linear_proj.weight":
         yield h + "self_attn.o_proj.weight", full
+    elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
+        yield h + f"self_attn.{rest.split('.')[1][0]}_norm.weight", full
     elif rest == "mlp.linear_fc1.weight":
         shards = [s.chunk(2) for s in full.chunk(tp)]
         yield h + "mlp.gate_proj.weight", torch.cat([s[0] for s in shards])

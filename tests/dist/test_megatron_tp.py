@@ -23,7 +23,8 @@ def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str)
     import torch.distributed as dist
 
     from rft.trainer.forward import causal_mask, vocab_parallel_logprobs
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state, load_hf_weights
+    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.weights.convert import load_hf_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -1,0 +1,108 @@
+"""Move weights between an HF state dict and one TP x PP shard of a Megatron GPTModel.
+
+`load_hf_weights` imports: every rank takes its pipeline stage's layers and its TP slice.
+`hf_table` and `export_hf_weights` export: the table (names, shapes, wire dtype) comes from
+parameter shapes alone, so a sender can announce a sync before gathering anything; the export
+then yields one HF tensor at a time, all-gathering TP shards as it goes (a collective: every TP
+rank of the stage iterates in lockstep). Nothing holds more than one full parameter at a time.
+Pipeline stages number their layers from 0; the mapping (`hf_megatron.py`) uses global numbers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from rft.weights.hf_megatron import Geometry, hf_to_megatron_full, megatron_full_to_hf, tp_split_dim
+from rft.weights.transfer import TensorTable
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def _tp() -> tuple[int, int, object]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_group())
+
+
+def _layer_offset(model) -> int:
+    layers = model.decoder.layers
+    return layers[0].layer_number - 1 if len(layers) else 0  # layer_number is global and 1-based
+
+
+def global_names(model, geo: Geometry) -> dict[str, str]:
+    """This stage's parameter names -> names in the whole (unpipelined) model.
+
+    A tied output layer on the last stage (PP > 1) is a copy of the first stage's embedding; it
+    maps to the embedding's name.
+    """
+    offset = _layer_offset(model)
+    out = {}
+    for name, _ in model.named_parameters():
+        if name == "output_layer.weight" and geo.tied_embeddings:
+            out[name] = "embedding.word_embeddings.weight"
+            continue
+        out[name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+    return out
+
+
+def load_hf_weights(model, hf_state: dict[str, torch.Tensor], geo: Geometry) -> None:
+    """Copy HF weights into this rank's TP x PP shard of `model`; every parameter must be covered."""
+    tp, tp_rank, _ = _tp()
+    full = hf_to_megatron_full(hf_state, geo, tp)
+    names = global_names(model, geo)
+    missing = sorted(n for n, g in names.items() if g not in full)
+    if missing:
+        raise KeyError(f"HF checkpoint does not cover Megatron parameters: {missing[:5]}")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            dim = tp_split_dim(name)
+            src = full[names[name]]
+            if dim is not None:
+                src = src.chunk(tp, dim=dim)[tp_rank]
+            if src.shape != param.shape:
+                raise ValueError(f"{name}: HF-derived shape {tuple(src.shape)} != {tuple(param.shape)}")
+            param.copy_(src.to(param.dtype))
+
+
+def _exported_params(model, geo: Geometry) -> Iterator[tuple[str, str, torch.nn.Parameter]]:
+    """(local name, global name, parameter) for what this stage sends: a tied output layer copy
+    is skipped, the first stage sends the embedding it mirrors."""
+    names = global_names(model, geo)
+    for name, param in model.named_parameters():
+        if name == "output_layer.weight" and geo.tied_embeddings:
+            continue
+        yield name, names[name], param
+
+
+def hf_table(model, geo: Geometry, wire_dtype: torch.dtype) -> TensorTable:
+    """The HF names and full shapes this stage exports, from shapes only (meta tensors)."""
+    tp, _, _ = _tp()
+    table: TensorTable = []
+    for name, gname, param in _exported_params(model, geo):
+        shape = list(param.shape)
+        dim = tp_split_dim(name)
+        if dim is not None:
+            shape[dim] *= tp
+        meta = torch.empty(shape, device="meta")
+        table += [(hf_name, tuple(t.shape), str(wire_dtype))
+                  for hf_name, t in megatron_full_to_hf(gname, meta, geo, tp)]
+    return table
+
+
+def export_hf_weights(model, geo: Geometry) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield this stage's HF-named full tensors in `hf_table` order, gathering TP shards."""
+    tp, _, group = _tp()
+    for name, gname, param in _exported_params(model, geo):
+        dim = tp_split_dim(name)
+        full = param.detach()
+        if dim is not None and tp > 1:
+            shards = [torch.empty_like(full) for _ in range(tp)]
+            dist.all_gather(shards, full.contiguous(), group=group)
+            full = torch.cat(shards, dim=dim)
+        yield from megatron_full_to_hf(gname, full, geo, tp)

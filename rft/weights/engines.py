@@ -1,0 +1,225 @@
+"""Weight-transfer engines behind one interface: a sender per pipeline stage, a receiver per
+rollout worker.
+
+    sender.send(table, tensors, version) -> bytes      (trainer: one sender per PP stage)
+    receiver.receive(load_fn) -> (version, tail_s)     (rollout: every vLLM worker)
+
+  gloo        broadcast over a ProcessGroupGloo per stage (CPU; same protocol as nccl)
+  nccl        broadcast over a ProcessGroupNCCL per stage, built from the same store: a stateless
+              NCCL group joining the stage's sender and every rollout worker (GPU)
+  checkpoint  each stage writes its tensors as safetensors files of a consolidated HF checkpoint on
+              the shared filesystem; receivers wait for it and load it (jobs in different
+              allocations)
+
+Why not vLLM's own weight-transfer engines (`vllm.distributed.weight_transfer`): its NCCL engine
+needs a GPU to run at all, so nothing here could test the path CPU runs take. One broadcast
+protocol for gloo and nccl keeps a single, tested code path, with multi-sender pipeline stages
+and timeouts that name the peer. Groups open lazily at the first sync (training overlaps vLLM
+start-up), every member in the same order: stage 0, 1, ...
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
+from rft.weights.transfer import (
+    LoadFn,
+    TensorTable,
+    describe_bucket,
+    dtype_from_name,
+    plan_buckets,
+    receive_weights,
+    send_weights,
+)
+
+ENGINES = ("gloo", "nccl", "checkpoint")
+
+
+@dataclass(frozen=True)
+class SyncLayout:
+    """Who takes part in a weight sync; built identically on every rank from the config.
+
+    Plain fields only: it crosses vLLM's RPC (msgpack) to the rollout workers as a dict.
+    """
+
+    engine: str
+    host: str  # trainer rank 0 hosts the rendezvous store
+    port: int
+    sender_ranks: list[int]  # global trainer rank that sends each PP stage
+    receiver_names: list[str]  # every rollout worker, in weight-group order
+    timeout_s: float
+    bucket_bytes: int
+    checkpoint_dir: str
+
+    def peer_names(self, stage: int) -> list[str]:
+        """Names of weight group `stage`'s members in group-rank order."""
+        return [f"trainer rank {self.sender_ranks[stage]} (PP stage {stage})"] + self.receiver_names
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class BroadcastSender:
+    def __init__(self, layout: SyncLayout, stage: int):
+        self.layout, self.stage = layout, stage
+        self.group: WeightGroup | None = None
+
+    def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        lay = self.layout
+        if self.group is None:
+            store = open_store(lay.host, lay.port, self.stage == 0, lay.timeout_s)
+            self.group = open_weight_group(store, f"stage{self.stage}", 0, 1 + len(lay.receiver_names),
+                                           lay.timeout_s, lay.peer_names(self.stage), lay.engine)
+        return send_weights(self.group, table, tensors, version, lay.bucket_bytes)
+
+
+class BroadcastReceiver:
+    def __init__(self, layout: SyncLayout, index: int):
+        self.layout, self.index = layout, index
+        self.groups: list[WeightGroup] = []
+
+    def receive(self, load_fn: LoadFn) -> tuple[int, float]:
+        lay = self.layout
+        if not self.groups:
+            store = open_store(lay.host, lay.port, False, lay.timeout_s)
+            self.groups = [open_weight_group(store, f"stage{s}", 1 + self.index, 1 + len(lay.receiver_names),
+                                             lay.timeout_s, lay.peer_names(s), lay.engine)
+                           for s in range(len(lay.sender_ranks))]
+        versions, tail_s = set(), 0.0
+        for group in self.groups:  # stage by stage, in the order every member uses
+            version, tail_s = receive_weights(group, load_fn, lay.bucket_bytes)
+            versions.add(version)
+        if len(versions) != 1:
+            raise RuntimeError(f"pipeline stages sent different weight versions {sorted(versions)}")
+        return versions.pop(), tail_s
+
+
+def _version_dir(root: str, version: int) -> str:
+    return os.path.join(root, f"v{version:06d}")
+
+
+def _write_json_atomic(path: str, payload: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(payload, f)
+    os.replace(tmp, path)
+
+
+class CheckpointSender:
+    """Writes version v as `<dir>/v<v>/`: safetensors files per bucket, one `stage<s>.json` per stage,
+    and (once every stage is there) `model.safetensors.index.json`, which marks it complete."""
+
+    keep_versions = 2  # a receiver may still be reading the previous version
+
+    def __init__(self, layout: SyncLayout, stage: int, hf_files_from: str | None = None):
+        self.layout, self.stage, self.hf_files_from = layout, stage, hf_files_from
+
+    def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        from safetensors.torch import save_file
+
+        lay = self.layout
+        vdir = _version_dir(lay.checkpoint_dir, version)
+        os.makedirs(vdir, exist_ok=True)
+        source = iter(tensors)
+        weight_map, written = {}, 0
+        for k, indices in enumerate(plan_buckets(table, lay.bucket_bytes)):
+            bucket = {}
+            for i in indices:
+                name, tensor = next(source)
+                assert name == table[i][0], f"weight source yielded {name}, table announced {table[i][0]}"
+                bucket[name] = tensor.detach().to("cpu", dtype_from_name(table[i][2])).contiguous()
+            fname = f"stage{self.stage}-{k:05d}.safetensors"
+            save_file(bucket, os.path.join(vdir, fname + ".tmp"), metadata={"format": "pt"})
+            os.replace(os.path.join(vdir, fname + ".tmp"), os.path.join(vdir, fname))
+            weight_map.update({n: fname for n in bucket})
+            written += sum(t.numel() * t.element_size() for t in bucket.values())
+        if self.stage == 0 and self.hf_files_from:
+            for path in glob.glob(os.path.join(self.hf_files_from, "*.json")) + \
+                    glob.glob(os.path.join(self.hf_files_from, "*.txt")):
+                if not path.endswith(".index.json"):
+                    shutil.copy(path, vdir)
+        _write_json_atomic(os.path.join(vdir, f"stage{self.stage}.json"),
+                           {"version": version, "table": table, "weight_map": weight_map})
+        self._complete_if_last(vdir, version)
+        if self.stage == 0:
+            self._prune(version)
+        return written
+
+    def _complete_if_last(self, vdir: str, version: int) -> None:
+        stages = [os.path.join(vdir, f"stage{s}.json") for s in range(len(self.layout.sender_ranks))]
+        if not all(os.path.exists(p) for p in stages):
+            return  # a later stage completes it; two stages that both see all files write the same
+        weight_map = {}
+        for path in stages:
+            with open(path) as f:
+                weight_map.update(json.load(f)["weight_map"])
+        _write_json_atomic(os.path.join(vdir, "model.safetensors.index.json"),
+                           {"metadata": {"rft_version": version}, "weight_map": weight_map})
+
+    def _prune(self, version: int) -> None:
+        for old in range(1, version - self.keep_versions + 1):
+            shutil.rmtree(_version_dir(self.layout.checkpoint_dir, old), ignore_errors=True)
+
+
+class CheckpointReceiver:
+    poll_s = 0.05
+
+    def __init__(self, layout: SyncLayout, index: int):
+        self.layout, self.index = layout, index
+        self.version = 0
+
+    def _newest_complete(self) -> int:
+        found = glob.glob(os.path.join(self.layout.checkpoint_dir, "v*", "model.safetensors.index.json"))
+        versions = [int(os.path.basename(os.path.dirname(p))[1:]) for p in found]
+        return max(versions, default=0)
+
+    def receive(self, load_fn: LoadFn) -> tuple[int, float]:
+        from safetensors import safe_open
+
+        lay = self.layout
+        deadline = time.monotonic() + lay.timeout_s
+        while (version := self._newest_complete()) <= self.version:
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(
+                    f"no weights newer than version {self.version} appeared in {lay.checkpoint_dir} "
+                    f"within {lay.timeout_s:.0f}s (writers: "
+                    f"{', '.join(lay.peer_names(s)[0] for s in range(len(lay.sender_ranks)))})")
+            time.sleep(self.poll_s)
+        vdir = _version_dir(lay.checkpoint_dir, version)
+        tail_start = time.perf_counter()
+        for s in range(len(lay.sender_ranks)):
+            with open(os.path.join(vdir, f"stage{s}.json")) as f:
+                stage = json.load(f)
+            table = [(n, tuple(shape), d) for n, shape, d in stage["table"]]
+            plan = plan_buckets(table, lay.bucket_bytes)
+            for k, indices in enumerate(plan):
+                fname = stage["weight_map"][table[indices[0]][0]]
+                try:
+                    with safe_open(os.path.join(vdir, fname), framework="pt") as f:
+                        load_fn([(table[i][0], f.get_tensor(table[i][0])) for i in indices])
+                except FileNotFoundError as err:
+                    raise RuntimeError(f"weights version {version}: {describe_bucket(table, plan, k)} "
+                                       "vanished while loading (pruned by a newer sync?)") from err
+        self.version = version
+        return version, time.perf_counter() - tail_start
+
+
+def make_sender(layout: SyncLayout, stage: int, hf_files_from: str | None = None):
+    if layout.engine == "checkpoint":
+        return CheckpointSender(layout, stage, hf_files_from)
+    return BroadcastSender(layout, stage)
+
+
+def make_receiver(layout: SyncLayout, index: int):
+    if layout.engine == "checkpoint":
+        return CheckpointReceiver(layout, index)
+    return BroadcastReceiver(layout, index)

@@ -1,0 +1,63 @@
+"""Small random HF models of each supported family, and a spawn helper for gloo ranks."""
+
+import os
+import socket
+
+import torch
+import torch.multiprocessing as mp
+
+VOCAB = 97
+
+
+def family_config(family: str):
+    """One config per mapping rule set: Qwen2 (qkv bias, untied), Llama (tied, rope_theta 1e5
+    like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                  bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if family == "qwen2":
+        return Qwen2Config(**common, tie_word_embeddings=False)
+    if family == "llama":
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0)
+    if family == "qwen3":
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+    raise ValueError(family)
+
+
+def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(family_config(family), dtype=torch.float32)
+    with torch.no_grad():  # random norms and biases, so a mis-mapped one cannot hide
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith(".bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:
+    """A gloo default group and Megatron's parallel state, as a trainer rank sets them up."""
+    import torch.distributed as dist
+
+    from rft.trainer.model import init_model_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    init_model_parallel(tp, seed=0, pp=pp)
+
+
+def spawn(worker, world: int, *args) -> None:
+    mp.start_processes(worker, args=(world, *args), nprocs=world, start_method="spawn", join=True)

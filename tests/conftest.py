@@ -14,3 +14,15 @@ def gsm8k_dir() -> str:
     if not os.path.exists(os.path.join(GSM8K_DIR, "train.jsonl")):
         pytest.skip(f"GSM8K files not found in {GSM8K_DIR}; set RFT_GSM8K_DIR")
     return GSM8K_DIR
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run where CUDA is present and are skipped elsewhere (CI, laptops)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

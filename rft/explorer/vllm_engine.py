@@ -46,7 +46,28 @@ class WeightReceiver:
             version, tail_s = self.rft_receiver.receive(model.load_weights)
             start = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)
+            _reprocess_tied_layers(model)
         return version, tail_s + time.perf_counter() - start
+
+
+def _reprocess_tied_layers(model) -> None:
+    """Re-run weight post-processing for layers that share a weight (a tied lm_head).
+
+    The layerwise reload re-processes only layers that received tensors; a tied lm_head receives
+    none (its weight is embed_tokens'), so on CPU its packed GEMM copy would keep the old weights.
+    """
+    import torch
+
+    sharing: dict[int, list] = {}
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.device.type != "meta" and \
+                hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            sharing.setdefault(weight.data_ptr(), []).append(module)
+    for modules in sharing.values():
+        if len(modules) > 1:
+            for module in modules:
+                module.quant_method.process_weights_after_loading(module)
 
 
 @dataclass

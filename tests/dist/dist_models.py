@@ -14,7 +14,7 @@ def family_config(family: str):
     like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+    common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                   bos_token_id=1, eos_token_id=2, pad_token_id=0)
     if family == "qwen2":
@@ -22,7 +22,7 @@ def family_config(family: str):
     if family == "llama":
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0)
     if family == "qwen3":
-        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=False)
+        return Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
     raise ValueError(family)
 
 
@@ -38,6 +38,9 @@ def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
+    from rft.models.tiny import build_char_tokenizer
+
+    build_char_tokenizer().save_pretrained(out_dir)  # vLLM wants one; ids past it are still valid
     return out_dir
 
 

@@ -1,54 +1,63 @@
-"""Weight sync: a Megatron trainer's updated weights, sent over the gloo weight group, make real
-vLLM (CPU build) score sequences exactly as the trainer does, and differently from before."""
+"""Weight sync end to end: a Megatron trainer (TP/PP on gloo ranks) takes a few AdamW steps and
+publishes through the run's own `WeightPublisher`; a real vLLM engine (CPU build) receives through
+its worker extension. vLLM's logprobs of fixed sequences then equal the trainer's and differ from
+the checkpoint's. Engines: gloo broadcast and the filesystem checkpoint; nccl where a GPU is."""
 
-import socket
+import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_models import create_family_model, free_port, init_gloo, spawn
 
-from rft.config import AlgorithmConfig, ModelConfig, RolloutConfig, TinyModelConfig
-from rft.models.tiny import create_tiny_model
+from rft.cluster import RankInfo, sync_layout
+from rft.config import RFTConfig
 
 SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2], [12, 13, 14, 20, 21, 17, 30, 31]]
-PEERS = ["trainer rank 0", "rollout rank 1"]
+# vLLM caches its environment at the first engine start; tests start several engines in one
+# process, so set now what RolloutEngine sets for a TP>1 engine (see rft/explorer/vllm_engine.py)
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _ports() -> tuple[int, int]:
-    from rft.cluster import free_port
+def _config(model_dir: str, run_dir: str, tp: int, pp: int, rollout_tp: int, engine: str) -> RFTConfig:
+    cfg = RFTConfig()
+    cfg.model.path, cfg.run.output_dir = model_dir, run_dir
+    cfg.cluster.trainer_ranks = tp * pp
+    cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size = tp, pp
+    cfg.rollout.tensor_parallel_size = rollout_tp
+    cfg.sync.engine, cfg.sync.bucket_mb, cfg.sync.timeout_s = engine, 1, 120
+    return cfg
 
-    port = free_port()
-    return port, port + 1
+
+def _info(cfg: RFTConfig, rank: int, port: int) -> RankInfo:
+    return RankInfo(rank=rank, world_size=cfg.cluster.trainer_ranks + 1, trainer_ranks=cfg.cluster.trainer_ranks,
+                    rollout_ranks=1, master_addr="127.0.0.1", master_port=port)
 
 
-def _trainer(model_dir: str, trainer_port: int, weight_port: int, out: str) -> None:
-    import os
+def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None:
+    from megatron.core import parallel_state as ps
 
-    import torch.distributed as dist
-
-    from rft.trainer.forward import forward_logprobs, pack_microbatch
-    from rft.trainer.model import (build_gpt_model, export_hf_weights, init_model_parallel,
-                                   load_hf_state, load_hf_weights)
+    from rft.config import AlgorithmConfig
+    from rft.trainer.forward import pack_microbatch
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.pipeline import forward_logprobs_pipelined
+    from rft.trainer.trainer import WeightPublisher
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.group import open_weight_group
-    from rft.weights.transfer import send_weights
+    from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(trainer_port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(1, seed=0)
-    model, geo = build_gpt_model(model_dir)
-    load_hf_weights(model, load_hf_state(model_dir), geo)
+    init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
+    model, geo = build_gpt_model(cfg.model.path)
+    load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     batch = StepBatch(prompt_ids=[s[:4] for s in SEQUENCES], response_ids=[s[4:] for s in SEQUENCES])
     for _ in range(3):  # a few real optimizer steps move the weights away from the checkpoint
-        train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=2, pad_id=0)
-    with torch.no_grad():
-        mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, torch.device("cpu"))
-        logprobs, _ = forward_logprobs(model, mb, with_entropy=False)
-    torch.save({"logprobs": logprobs, "mask": mb.loss_mask}, out)
-    group = open_weight_group("127.0.0.1", weight_port, 0, 2, 120, PEERS)
-    send_weights(group, export_hf_weights(model, geo), 7, 1 << 16, torch.float32)
+        train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=1, pad_id=0)
+    mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, torch.device("cpu"))
+    logprobs = forward_logprobs_pipelined(model, [mb])
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"logprobs": logprobs[0], "mask": mb.loss_mask}, out)
+    publisher = WeightPublisher(cfg, _info(cfg, rank, port + 10), geo)
+    publisher.version = 6
+    publisher.publish(model)  # version 7
 
 
 def _vllm_logprobs(engine) -> list[list[float]]:
@@ -61,28 +70,53 @@ def _vllm_logprobs(engine) -> list[list[float]]:
             for o, s in zip(outs, SEQUENCES)]
 
 
-@pytest.mark.slow
-def test_weight_sync_makes_vllm_match_the_trainer(tmp_path):
+def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, engine_name: str) -> None:
+    import multiprocessing
+
+    from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
 
-    model_dir = create_tiny_model(TinyModelConfig(), str(tmp_path / "model"), seed=0)
-    engine = RolloutEngine(ModelConfig(name="tiny", path=model_dir), RolloutConfig(kv_cache_gb=0.1),
+    model_dir = create_family_model(family, str(tmp_path / "model"))
+    cfg = _config(model_dir, str(tmp_path / "run"), tp, pp, rollout_tp, engine_name)
+    engine = RolloutEngine(ModelConfig(name=family, path=model_dir),
+                           RolloutConfig(kv_cache_gb=0.1, tensor_parallel_size=rollout_tp),
                            seed=0, max_model_len=64)
     before = _vllm_logprobs(engine)
-    trainer_port, weight_port = _ports()
-    out = str(tmp_path / "trainer.pt")
-    proc = mp.get_context("spawn").Process(target=_trainer, args=(model_dir, trainer_port, weight_port, out))
-    proc.start()
-    engine.join_weight_group("127.0.0.1", weight_port, 1, 2, 120, PEERS)
-    apply_s = engine.receive_weights(1 << 16)
-    proc.join(timeout=120)
-    assert proc.exitcode == 0
+    port, out = free_port(), str(tmp_path / "trainer.pt")
+    # the trainer ranks run beside this process, which plays rollout rank T (as in a job)
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=spawn, args=(_trainer, tp * pp, cfg, port, out))
+    trainer.start()
+    engine.open_weight_receiver(sync_layout(cfg, _info(cfg, tp * pp, port + 10), on_gpu=False), 0)
+    apply_s = engine.receive_weights()
+    trainer.join(timeout=300)
+    assert trainer.exitcode == 0
     assert engine.version == 7 and apply_s >= 0
     after = _vllm_logprobs(engine)
     trained = torch.load(out)
     for row, (b, a) in enumerate(zip(before, after)):
-        n = len(a)
-        expected = trained["logprobs"][row, :n]
-        assert torch.all(trained["mask"][row, :n] == 1)
+        expected = trained["logprobs"][row, : len(a)]
+        assert torch.all(trained["mask"][row, : len(a)] == 1)
         assert (torch.tensor(a) - expected).abs().max().item() <= 1e-3  # vLLM now scores like the trainer
         assert (torch.tensor(b) - expected).abs().max().item() > 1e-2  # ... and not like before
+    if engine_name == "checkpoint":  # what was written is a consolidated HF checkpoint
+        from transformers import AutoModelForCausalLM
+
+        version_dir = os.path.join(cfg.run.output_dir, "weights", "v000007")
+        AutoModelForCausalLM.from_pretrained(version_dir)
+
+
+@pytest.mark.slow
+def test_tp2_trainer_to_vllm_over_gloo(tmp_path):
+    _sync_and_compare(tmp_path, "qwen2", tp=2, pp=1, rollout_tp=1, engine_name="gloo")
+
+
+@pytest.mark.slow
+def test_pp2_trainer_to_vllm_tp2_over_gloo(tmp_path):
+    """Two senders (one per stage) into two vLLM TP workers; tied embeddings cross stages."""
+    _sync_and_compare(tmp_path, "llama", tp=1, pp=2, rollout_tp=2, engine_name="gloo")
+
+
+@pytest.mark.slow
+def test_tp2_trainer_to_vllm_through_checkpoint(tmp_path):
+    _sync_and_compare(tmp_path, "qwen3", tp=2, pp=1, rollout_tp=1, engine_name="checkpoint")

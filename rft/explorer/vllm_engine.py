@@ -8,6 +8,7 @@ the path vLLM's RLHF examples use.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -28,8 +29,9 @@ class WeightReceiver:
 
         # one receiver per vLLM TP worker; `self.rank` is the worker's rank inside this engine
         self.rft_receiver = make_receiver(SyncLayout(**layout), first_index + self.rank)
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_noise)
 
-    def rft_receive_weights(self) -> tuple[int, float]:
+    def rft_receive_weights(self, apply: bool = True) -> tuple[int, float]:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -40,6 +42,8 @@ class WeightReceiver:
         # reload restores the loaders before and re-runs that processing after, as its own
         # checkpoint-format transfer engines do. `load_weights` takes full HF tensors and keeps
         # this worker's TP slice, so any trainer TP/PP maps onto any rollout TP.
+        if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
+            return self.rft_receiver.receive(lambda named: None)
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
@@ -48,6 +52,23 @@ class WeightReceiver:
             finalize_layerwise_reload(model, self.model_config)
             _reprocess_tied_layers(model)
         return version, tail_s + time.perf_counter() - start
+
+
+    def rft_raw_broadcast(self, nbytes: int) -> None:
+        """Receive one flat tensor of `nbytes` on the first weight group: the bandwidth bound that
+        tools/bench_weight_sync.py compares a sync against."""
+        import torch
+
+        group = self.rft_receiver.groups[0]
+        group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=group.device), "raw bandwidth probe")
+
+
+def _rotary_noise(record: logging.LogRecord) -> bool:
+    """Drop vLLM's per-sync "RotaryEmbedding: Failed to load weights": its cos/sin cache is a
+    buffer that no checkpoint carries, so the reload warns on every update although the cache is
+    put back untouched."""
+    return not (record.msg == "%s: Failed to load weights" and record.args
+                and str(record.args[0]).endswith("RotaryEmbedding"))
 
 
 def _reprocess_tied_layers(model) -> None:
@@ -124,14 +145,16 @@ class RolloutEngine:
         """Make every vLLM worker a receiver (indices first_index, first_index + 1, ...)."""
         self.llm.collective_rpc("rft_open_weight_receiver", args=(layout.as_dict(), first_index))
 
-    def receive_weights(self) -> float:
+    def receive_weights(self, apply: bool = True) -> float:
         """Block until the trainer's next sync arrives and load it (sets `version`).
 
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
         """
-        replies = self.llm.collective_rpc("rft_receive_weights")
+        replies = self.llm.collective_rpc("rft_receive_weights", args=(apply,))
         start = time.perf_counter()
+        if not apply:
+            return float(replies[0][1])
         self.version = int(replies[0][0])
         # Cached KV blocks were computed by the old weights; drop them.
         self.llm.reset_prefix_cache()

@@ -44,6 +44,8 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
+    if cfg.sync.engine == "nccl":  # NCCL needs its ranks on distinct GPUs; vLLM has GPU 0
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(1 + rank)
     init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
@@ -51,10 +53,11 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     batch = StepBatch(prompt_ids=[s[:4] for s in SEQUENCES], response_ids=[s[4:] for s in SEQUENCES])
     for _ in range(3):  # a few real optimizer steps move the weights away from the checkpoint
         train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=1, pad_id=0)
-    mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, torch.device("cpu"))
+    device = next(model.parameters()).device
+    mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, device)
     logprobs = forward_logprobs_pipelined(model, [mb])
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
-        torch.save({"logprobs": logprobs[0], "mask": mb.loss_mask}, out)
+        torch.save({"logprobs": logprobs[0].cpu(), "mask": mb.loss_mask.cpu()}, out)
     publisher = WeightPublisher(cfg, _info(cfg, rank, port + 10), geo)
     publisher.version = 6
     publisher.publish(model)  # version 7
@@ -87,7 +90,8 @@ def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, 
     trainer = multiprocessing.get_context("spawn").Process(
         target=spawn, args=(_trainer, tp * pp, cfg, port, out))
     trainer.start()
-    engine.open_weight_receiver(sync_layout(cfg, _info(cfg, tp * pp, port + 10), on_gpu=False), 0)
+    on_gpu = engine_name == "nccl"
+    engine.open_weight_receiver(sync_layout(cfg, _info(cfg, tp * pp, port + 10), on_gpu), 0)
     apply_s = engine.receive_weights()
     trainer.join(timeout=300)
     assert trainer.exitcode == 0
@@ -120,3 +124,10 @@ def test_pp2_trainer_to_vllm_tp2_over_gloo(tmp_path):
 @pytest.mark.slow
 def test_tp2_trainer_to_vllm_through_checkpoint(tmp_path):
     _sync_and_compare(tmp_path, "qwen3", tp=2, pp=1, rollout_tp=1, engine_name="checkpoint")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 3, reason="NCCL needs a GPU per rank: vLLM + 2 trainer ranks")
+def test_tp2_trainer_to_vllm_over_nccl(tmp_path):
+    """The GPU path: trainer ranks on GPUs 1-2, vLLM on GPU 0, weights over a stateless NCCL group."""
+    _sync_and_compare(tmp_path, "qwen2", tp=2, pp=1, rollout_tp=1, engine_name="nccl")

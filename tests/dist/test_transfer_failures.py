@@ -1,0 +1,129 @@
+"""A weight transfer never hangs: a peer that dies or stalls mid-transfer makes the other side raise
+within `sync.timeout_s`, naming the peer and the parameters in flight. Real processes and sockets:
+the rollout side is a separate process running the real receiver, killed or stopped by signal."""
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from rft.weights.engines import SyncLayout, make_receiver, make_sender
+from rft.weights.group import PeerTimeoutError
+
+NUM_TENSORS, TENSOR_MB = 24, 4
+TABLE = [(f"model.layers.{i}.mlp.down_proj.weight", (TENSOR_MB << 18,), "torch.float32") for i in range(NUM_TENSORS)]
+
+
+def _layout(port: int, timeout_s: float, engine: str = "gloo", checkpoint_dir: str = "") -> SyncLayout:
+    return SyncLayout(engine=engine, host="127.0.0.1", port=port, sender_ranks=[0],
+                      receiver_names=["rollout rank 1 worker 0"], timeout_s=timeout_s,
+                      bucket_bytes=TENSOR_MB << 20, checkpoint_dir=checkpoint_dir)
+
+
+def _tensors():
+    for name, shape, _ in TABLE:
+        yield name, torch.full(shape, 1.0)
+
+
+def _receiver(layout: SyncLayout, progress: str, slow_s: float) -> None:
+    """The rollout side: marks each loaded bucket in `progress`, optionally slowly."""
+
+    def load(named):
+        with open(progress, "a") as f:
+            f.write(f"{named[0][0]}\n")
+        time.sleep(slow_s)
+
+    make_receiver(layout, 0).receive(load)
+
+
+def _sender(layout: SyncLayout) -> None:
+    make_sender(layout, 0).send(TABLE, _tensors(), version=1)
+
+
+def _start(target, *args) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    return proc
+
+
+def _wait_for_buckets(progress: str, n: int, timeout_s: float = 60) -> None:
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        if os.path.exists(progress) and len(open(progress).read().split()) >= n:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"receiver did not load {n} buckets in {timeout_s}s")
+
+
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
+def test_trainer_raises_naming_the_rollout_when_it_dies_or_stalls(tmp_path, how):
+    from rft.cluster import free_port
+
+    timeout_s = 8.0
+    layout = _layout(free_port(), timeout_s)
+    progress = str(tmp_path / "progress")
+    rollout = _start(_receiver, layout, progress, 0.2)
+    sender = make_sender(layout, 0)
+    try:
+        def interrupt_after_two_buckets():
+            _wait_for_buckets(progress, 2)
+            os.kill(rollout.pid, how)
+
+        import threading
+
+        threading.Thread(target=interrupt_after_two_buckets, daemon=True).start()
+        start = time.time()
+        with pytest.raises(PeerTimeoutError) as err:
+            sender.send(TABLE, _tensors(), version=1)
+        elapsed = time.time() - start
+    finally:
+        os.kill(rollout.pid, signal.SIGKILL)
+    message = str(err.value)
+    assert "rollout rank 1 worker 0" in message
+    assert "model.layers." in message and "bucket" in message  # the parameters in flight
+    assert elapsed <= timeout_s + 10, f"took {elapsed:.1f}s with timeout_s={timeout_s}"
+
+
+def test_rollout_raises_naming_the_trainer_when_it_dies(tmp_path):
+    from rft.cluster import free_port
+
+    layout = _layout(free_port(), 8.0)
+    trainer_side = _start(_sender, layout)
+    loaded = []
+
+    def load(named):
+        loaded.append(named[0][0])
+        if len(loaded) == 2:
+            os.kill(trainer_side.pid, signal.SIGKILL)
+
+    start = time.time()
+    with pytest.raises(PeerTimeoutError) as err:
+        make_receiver(layout, 0).receive(load)
+    assert "trainer rank 0 (PP stage 0)" in str(err.value)
+    assert "bucket" in str(err.value)
+    assert time.time() - start <= layout.timeout_s + 10
+
+
+def test_checkpoint_receiver_times_out_naming_the_writer(tmp_path):
+    layout = _layout(0, 1.0, engine="checkpoint", checkpoint_dir=str(tmp_path / "weights"))
+    start = time.time()
+    with pytest.raises(PeerTimeoutError, match=r"trainer rank 0 \(PP stage 0\)") as err:
+        make_receiver(layout, 0).receive(lambda named: None)
+    assert str(tmp_path / "weights") in str(err.value)
+    assert time.time() - start < 5
+
+
+def test_checkpoint_engine_round_trip_and_pruning(tmp_path):
+    layout = _layout(0, 10.0, engine="checkpoint", checkpoint_dir=str(tmp_path / "weights"))
+    sender, receiver = make_sender(layout, 0), make_receiver(layout, 0)
+    for version in (1, 2, 3):
+        sent = sender.send(TABLE[:3], ((n, torch.full(s, float(version))) for n, s, _ in TABLE[:3]), version)
+        assert sent == 3 * (TENSOR_MB << 20)
+    got: dict[str, torch.Tensor] = {}
+    version, _ = receiver.receive(lambda named: got.update(named))
+    assert version == 3  # the newest complete version
+    assert set(got) == {n for n, _, _ in TABLE[:3]} and all(torch.equal(t, torch.full_like(t, 3.0)) for t in got.values())
+    assert sorted(os.listdir(layout.checkpoint_dir)) == ["v000002", "v000003"]  # older ones pruned

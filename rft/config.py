@@ -212,6 +212,39 @@ def _check_file(key: str, path: Optional[str], generated: bool) -> None:
         _fail(key, path, "use a .jsonl or .parquet file")
 
 
+def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
+    """(attention heads, key/value heads, layers) of the model, read without loading it."""
+    if cfg.model.tiny is not None:
+        t = cfg.model.tiny
+        return t.num_attention_heads, t.num_key_value_heads, t.num_layers
+    path = os.path.join(cfg.model.path, "config.json")
+    if not os.path.isfile(path):
+        return None
+    import json
+
+    with open(path) as f:
+        hf = json.load(f)
+    heads = hf.get("num_attention_heads", 1)
+    return heads, hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers", 1)
+
+
+def _check_parallel_layout(cfg: RFTConfig) -> None:
+    """TP must split whole heads and key/value groups, PP whole layers (trainer and vLLM alike)."""
+    shape = _model_shape(cfg)
+    if shape is None:
+        return
+    heads, kv_heads, layers = shape
+    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
+    if heads % tp or kv_heads % tp:
+        _fail("trainer.tensor_parallel_size", tp,
+              f"must divide the model's {heads} attention heads and {kv_heads} key/value heads")
+    if layers % pp:
+        _fail("trainer.pipeline_parallel_size", pp, f"must divide the model's {layers} layers")
+    rtp = cfg.rollout.tensor_parallel_size
+    if heads % rtp:
+        _fail("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
+
+
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
     if cfg.cluster.kind not in ("local", "slurm"):
@@ -278,6 +311,7 @@ def validate(cfg: RFTConfig) -> None:
     if cfg.sync.interval != 1 or cfg.sync.offset != 0:
         _fail("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
               "only synchronous on-policy (interval=1, offset=0) is built so far")
+    _check_parallel_layout(cfg)
     if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
         _fail("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
     if cfg.sync.bucket_mb < 1:

@@ -39,8 +39,12 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
     table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
-    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={cfg.trainer.tensor_parallel_size})")
-    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM, model {cfg.model.name})")
+    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
+    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
+    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
+                                   f"model {cfg.model.name})")
+    table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
+                                 f"timeout {cfg.sync.timeout_s:.0f}s")
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
                                       for n, s in stage_configs(cfg)))
     table.add_row("output dir", cfg.run.output_dir)

@@ -84,3 +84,43 @@ def test_generated_arithmetic_needs_an_eval_path(tmp_path):
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "data.eval_path=null")
     with pytest.raises(ValueError, match=r"data\.eval_path.*held-out"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (["cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2"], "trainer.tensor_parallel_size",
+     "9 attention heads and 3 key/value heads"),
+    (["cluster.trainer_ranks=4", "trainer.pipeline_parallel_size=4"], "trainer.pipeline_parallel_size",
+     "30 layers"),
+    (["rollout.tensor_parallel_size=2"], "rollout.tensor_parallel_size", "9 attention heads"),
+    (["cluster.trainer_ranks=3", "trainer.pipeline_parallel_size=2"], "trainer.pipeline_parallel_size",
+     "must divide cluster.trainer_ranks=3"),
+    (["sync.engine=rdma"], "sync.engine", "gloo"),
+    (["sync.wire_dtype=int4"], "sync.wire_dtype", "bfloat16"),
+])
+def test_parallel_layout_must_fit_the_model(tmp_path, overrides, key, says):
+    """SmolLM2-135M's shape (9 heads, 3 KV heads, 30 layers) read from its config.json."""
+    (tmp_path / "config.json").write_text(
+        '{"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}')
+    cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",
+                      f"model.path={tmp_path}", *overrides)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
+        validate(cfg)
+    assert says in str(err.value)
+
+
+def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_path):
+    from rft.cluster import RankInfo, sync_layout
+
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.trainer_ranks=8",
+                      "trainer.tensor_parallel_size=2", "trainer.pipeline_parallel_size=2",
+                      "rollout.tensor_parallel_size=2")
+    info = RankInfo(rank=0, world_size=9, trainer_ranks=8, rollout_ranks=1, master_addr="node1", master_port=2000)
+    layout = sync_layout(cfg, info, on_gpu=True)
+    # Megatron orders ranks tp, dp, pp: stage 1 starts at rank (tp x dp) = 4
+    assert layout.sender_ranks == [0, 4]
+    assert layout.receiver_names == ["rollout rank 8 worker 0", "rollout rank 8 worker 1"]
+    assert layout.engine == "nccl" and layout.port == 2001 and layout.host == "node1"
+    assert layout.bucket_bytes == 512 << 20
+    assert layout.peer_names(1)[0] == "trainer rank 4 (PP stage 1)"
+    assert sync_layout(cfg, info, on_gpu=False).engine == "gloo"
+    assert layout.checkpoint_dir == os.path.join(str(tmp_path), "weights")

@@ -15,10 +15,10 @@ from __future__ import annotations
 import os
 import time
 
-from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_stage_tasks
 import torch
 
+from rft.buffer.shards import ExperienceBuffer
+from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.cluster import RankInfo, sync_layout
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer

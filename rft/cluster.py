@@ -71,7 +71,16 @@ def rank_info_from_env(cluster: ClusterConfig, master_port: int) -> RankInfo:
     if env.num_tasks != world:
         raise RuntimeError(f"job has {env.num_tasks} tasks but cluster.trainer_ranks + "
                            f"cluster.rollout_ranks = {world}")
-    addr = "127.0.0.1" if cluster.kind == "local" else env.hostnames[0]
+    os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # GPU choice on multi-GPU nodes
+    if cluster.kind == "local":
+        addr = "127.0.0.1"
+    else:
+        from rft.slurm import port_for_job
+
+        # rank 0 runs on the first node of the allocation; every task derives the same port from
+        # the job id (an array task has its own SLURM_JOB_ID)
+        addr = env.hostnames[0]
+        master_port = master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0"))
     return RankInfo(rank=env.global_rank, world_size=world, trainer_ranks=cluster.trainer_ranks,
                     rollout_ranks=cluster.rollout_ranks, master_addr=addr, master_port=master_port)
 

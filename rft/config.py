@@ -119,11 +119,25 @@ class SyncConfig:
 
 @dataclass
 class ClusterConfig:
-    kind: str = "local"  # local (submitit local executor) | slurm (next issue)
+    kind: str = "auto"  # auto (slurm if sbatch is on PATH and the controller answers) | local | slurm
     trainer_ranks: int = 1  # ranks [0, T) train
     rollout_ranks: int = 1  # ranks [T, T+R) generate
     timeout_min: int = 240  # wall-clock limit of the job
-    master_port: int = 0  # rendezvous port (0: pick a free one)
+    master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
+    wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)
+    partition: Optional[str] = None  # slurm partition (checked with sinfo before submit)
+    account: Optional[str] = None  # slurm account to charge
+    qos: Optional[str] = None  # slurm quality of service
+    constraint: Optional[str] = None  # slurm node features, e.g. "a100&ib"
+    nodes: int = 1  # nodes in the allocation
+    gpus_per_node: int = 0  # GPUs per node, one task each (0: CPU nodes, tasks split over nodes)
+    cpus_per_task: int = 1  # CPU cores per task
+    mem_gb: Optional[int] = None  # memory per node (None: the partition's default)
+    setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load ...)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # any other sbatch option, e.g. {reservation: x}
+    container_image: Optional[str] = None  # Apptainer image the ranks run in (launch/rank.sh)
+    container_binds: list[str] = field(default_factory=list)  # paths bound into the container
+    env: dict[str, str] = field(default_factory=dict)  # exported for every rank, e.g. NCCL_IB_HCA
 
 
 @dataclass
@@ -248,9 +262,7 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
     if cfg.cluster.kind not in ("local", "slurm"):
-        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=local` or `cluster=slurm`")
-    if cfg.cluster.kind == "slurm":
-        _fail("cluster.kind", "slurm", "Slurm launch is not built yet; use `cluster=local`")
+        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=local` or `cluster=slurm` (auto is resolved first)")
     if cfg.cluster.trainer_ranks < 1:
         _fail("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
     if cfg.cluster.rollout_ranks != 1:

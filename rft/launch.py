@@ -54,31 +54,53 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
 
 
 def submit(cfg: RFTConfig) -> int:
-    """Run the job through submitit's executor; return the process exit code."""
+    """Submit the job (submitit local or Slurm executor); follow it unless it is a Slurm job
+    without `cluster.wait`. Returns the process exit code."""
     import submitit
 
     from rft.cluster import free_port
     from rft.job import run_rank
-    from rft.report import build_summary, console, print_summary, watch
     from rft.monitor import write_json_atomic
+    from rft.report import build_summary, console, print_summary, slurm_job_alive, watch
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
     print_plan(cfg, log_dir)
     world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
-    executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
-    executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min,
-                               gpus_per_node=0)
-    port = cfg.cluster.master_port or free_port()
+    on_slurm = cfg.cluster.kind == "slurm"
+    if on_slurm:
+        import logging
+
+        from rft.slurm import make_executor
+
+        # submitit reads job states with sacct and warns on every poll where accounting is off;
+        # rft follows the job through its result files and squeue instead
+        logging.getLogger("submitit").setLevel(logging.ERROR)
+
+        executor = make_executor(cfg, log_dir)
+        port = cfg.cluster.master_port  # 0: every task derives it from the job id
+    else:
+        executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
+        executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min,
+                                   gpus_per_node=0)
+        port = cfg.cluster.master_port or free_port()
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     OmegaConf.save(OmegaConf.create(config), os.path.join(cfg.run.output_dir, "config.yaml"))
     job = executor.submit(run_rank, config, port)
     console.print(f"submitted job {job.job_id} ({world} tasks)")
+    if on_slurm:
+        console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
+                      f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
+                      soft_wrap=True)
+        if not cfg.cluster.wait:
+            console.print(f"follow it with `squeue -j {job.job_id}`; cancel with `scancel {job.job_id}`")
+            return 0
     # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress)
+        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress,
+                        alive=slurm_job_alive(job.job_id) if on_slurm else None)
     finally:
-        if not job.done():
+        if not job.done() and not (on_slurm and not cfg.cluster.wait):
             job.cancel()
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
@@ -95,7 +117,16 @@ def main(dcfg: DictConfig) -> None:
     cfg: RFTConfig = OmegaConf.to_object(dcfg)
     cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
     try:
+        from rft.slurm import check_against_cluster, check_request, resolve_kind
+
+        if cfg.cluster.kind == "auto":
+            cfg.cluster.kind = resolve_kind(cfg.cluster)
+            print(f"rft: cluster=auto -> {cfg.cluster.kind} "
+                  f"({'a Slurm controller answers' if cfg.cluster.kind == 'slurm' else 'no Slurm controller answers'})")
         validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
+        if cfg.cluster.kind == "slurm":
+            check_request(cfg)
+            check_against_cluster(cfg)
         prepare(cfg)
     except ValueError as err:
         print(f"rft: config error: {err}", file=sys.stderr)

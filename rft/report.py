@@ -7,6 +7,7 @@ import os
 import pickle
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -55,16 +56,41 @@ def _pid_alive(pid_file: str) -> bool | None:
         return False
 
 
-def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int) -> RankFailure | None:
-    """A rank that raised (submitit's result pickle says error) or whose process vanished."""
+def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
+    """Liveness from the pid files the ranks write (only meaningful on the launcher's machine)."""
     from rft.job import pid_path
 
+    return lambda rank: _pid_alive(pid_path(run_dir, rank))
+
+
+def slurm_job_alive(job_id: str) -> Callable[[int], bool | None]:
+    """Liveness from the queue: once Slurm no longer lists the job, a rank without a result died.
+    (submitit reads job states from sacct, which clusters without accounting lack.)"""
+    import subprocess
+
+    def alive(_rank: int) -> bool | None:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
+                                 text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if out.returncode != 0 and "Invalid job id" not in out.stderr:
+            return None  # controller busy or unreachable: no verdict
+        return bool(out.stdout.strip())
+
+    return alive
+
+
+def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
+                 alive: Callable[[int], bool | None] | None = None) -> RankFailure | None:
+    """A rank that raised (submitit's result pickle says error) or whose process vanished."""
+    alive = alive or local_rank_alive(run_dir)
     for rank in range(world_size):
         log = os.path.join(log_dir, f"{job_id}_{rank}_log.err")
         result = _task_result(log_dir, job_id, rank)
         if result is not None and result[0] == "error":
             return RankFailure(rank, log, _exception_line(str(result[1])))
-        if result is None and _pid_alive(pid_path(run_dir, rank)) is False:
+        if result is None and alive(rank) is False:
             time.sleep(1.0)  # the result file may land just after the process exits
             if _task_result(log_dir, job_id, rank) is None:
                 return RankFailure(rank, log, "process exited without a result (killed?)")
@@ -72,7 +98,7 @@ def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int) -> Ra
 
 
 def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
-          poll_s: float = 1.0) -> RankFailure | None:
+          poll_s: float = 1.0, alive: Callable[[int], bool | None] | None = None) -> RankFailure | None:
     """Render progress until the job ends; return the first failed rank, if any."""
     progress = Progress(TextColumn("[bold]{task.fields[stage]}"), BarColumn(),
                         TextColumn("step {task.completed}/{task.total}"),
@@ -82,7 +108,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
     with progress:
         bar = progress.add_task("run", total=None, stage="starting", reward="-")
         while not job.done():
-            failure = find_failure(run_dir, log_dir, job.job_id, world_size)
+            failure = find_failure(run_dir, log_dir, job.job_id, world_size, alive)
             if failure is not None:
                 return failure
             state = _read_json(progress_path(run_dir))
@@ -92,7 +118,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")
             time.sleep(poll_s)
-    return find_failure(run_dir, log_dir, job.job_id, world_size)
+    return find_failure(run_dir, log_dir, job.job_id, world_size, alive)
 
 
 def _read_json(path: str) -> dict | None:

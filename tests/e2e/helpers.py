@@ -11,6 +11,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def launch(*overrides: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """`python -m rft.launch`; on this machine (cluster=local) unless an override names a cluster,
+    since `cluster=auto` would pick the test Slurm when tests/slurm has started one."""
+    if not any(o.startswith("cluster=") for o in overrides):
+        overrides = ("cluster=local", *overrides)
     return subprocess.run([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"],
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 

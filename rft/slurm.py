@@ -1,0 +1,136 @@
+"""Slurm on the launcher side: is there a cluster, is the request valid for it, and the executor.
+
+The job itself is submitit's: one sbatch job with nodes x tasks_per_node tasks under srun, each
+running `rft.job.run_rank`, which finds its role from its global rank (rft/cluster.py).
+Everything here runs on the login node before submitting and fails with the key to fix.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from rft.config import ClusterConfig, RFTConfig
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cmd: list[str], timeout_s: float = 15) -> str | None:
+    """stdout of a Slurm client command, or None if it is missing, fails or hangs."""
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout if out.returncode == 0 else None
+
+
+def slurm_answers() -> bool:
+    """sbatch is on PATH and the controller answers `sinfo`."""
+    return shutil.which("sbatch") is not None and _run(["sinfo", "-h", "-o", "%P"]) is not None
+
+
+def resolve_kind(cluster: ClusterConfig) -> str:
+    """`auto` -> slurm when a controller answers, else local; explicit kinds pass through."""
+    if cluster.kind != "auto":
+        return cluster.kind
+    return "slurm" if slurm_answers() else "local"
+
+
+def tasks_per_node(cluster: ClusterConfig) -> int:
+    """One task per GPU on GPU nodes; on CPU nodes the ranks split evenly over the nodes."""
+    world = cluster.trainer_ranks + cluster.rollout_ranks
+    return cluster.gpus_per_node if cluster.gpus_per_node else math.ceil(world / cluster.nodes)
+
+
+def _fail(key: str, value: Any, fix: str) -> None:
+    raise ValueError(f"{key}={value!r}: {fix}")
+
+
+def check_request(cfg: RFTConfig) -> None:
+    """What can be checked without the cluster: the task layout and the container image."""
+    c = cfg.cluster
+    world = c.trainer_ranks + c.rollout_ranks
+    if c.nodes < 1:
+        _fail("cluster.nodes", c.nodes, "use 1 or more")
+    if c.gpus_per_node and world != c.nodes * c.gpus_per_node:
+        _fail("cluster.trainer_ranks + cluster.rollout_ranks", world,
+              f"one rank per GPU: must equal cluster.nodes x cluster.gpus_per_node = "
+              f"{c.nodes} x {c.gpus_per_node}")
+    if not c.gpus_per_node and world % c.nodes:
+        _fail("cluster.nodes", c.nodes, f"must divide the {world} ranks (CPU nodes: ranks split evenly)")
+    if c.container_image and not os.path.exists(c.container_image):
+        _fail("cluster.container_image", c.container_image,
+              "no such file; build it with `apptainer build rft.sif containers/rft.def`")
+
+
+def check_against_cluster(cfg: RFTConfig) -> None:
+    """Partition and GPU count against what `sinfo` reports."""
+    c = cfg.cluster
+    partitions = _run(["sinfo", "-h", "-o", "%P"])
+    if partitions is None:
+        _fail("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
+    names = {p.strip().rstrip("*") for p in partitions.split()}
+    if c.partition and c.partition not in names:
+        _fail("cluster.partition", c.partition, f"not a partition here; sinfo lists {sorted(names)}")
+    if c.gpus_per_node:
+        gres = _run(["sinfo", "-h", "-o", "%G"] + (["-p", c.partition] if c.partition else [])) or ""
+        most = max((_gpus_in_gres(g) for g in gres.split()), default=0)
+        if c.gpus_per_node > most:
+            _fail("cluster.gpus_per_node", c.gpus_per_node,
+                  f"the nodes of partition {c.partition or '(default)'} have at most {most} GPUs")
+
+
+def _gpus_in_gres(gres: str) -> int:
+    """'gpu:a100:8(S:0-1)' or 'gpu:8' -> 8; anything else -> 0."""
+    total = 0
+    for item in gres.split(","):
+        parts = item.split("(")[0].split(":")
+        if parts[0] == "gpu" and parts[-1].isdigit():
+            total += int(parts[-1])
+    return total
+
+
+def _setup_lines(c: ClusterConfig) -> list[str]:
+    lines = list(c.setup)
+    lines += [f"export {k}={shlex.quote(str(v))}" for k, v in c.env.items()]
+    if c.container_image:
+        lines.append(f"export RFT_CONTAINER={shlex.quote(c.container_image)}")
+        if c.container_binds:
+            lines.append(f"export RFT_BINDS={shlex.quote(','.join(c.container_binds))}")
+    return lines
+
+
+def make_executor(cfg: RFTConfig, folder: str):
+    """submitit's Slurm executor for this request; ranks start through launch/rank.sh, which
+    enters the container when one is configured."""
+    import submitit
+
+    c = cfg.cluster
+    # inside the image its own python runs; on the host, the launcher's
+    python = "python" if c.container_image else shlex.quote(sys.executable)
+    executor = submitit.SlurmExecutor(folder=folder, python=f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}")
+    params: dict[str, Any] = dict(
+        job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(c),
+        cpus_per_task=c.cpus_per_task, setup=_setup_lines(c), signal_delay_s=120)
+    if c.gpus_per_node:
+        params["gpus_per_node"] = c.gpus_per_node
+    for key in ("partition", "account", "qos", "constraint"):
+        if getattr(c, key):
+            params[key] = getattr(c, key)
+    if c.mem_gb:
+        params["mem"] = f"{c.mem_gb}GB"
+    if c.sbatch_extra:
+        params["additional_parameters"] = dict(c.sbatch_extra)
+    executor.update_parameters(**params)
+    return executor
+
+
+def port_for_job(job_id: str) -> int:
+    """The rendezvous port every task of a Slurm job derives alike (the next one is the weight
+    store's): spread over 20000-39999 by job id, so jobs sharing a node rarely collide."""
+    return 20000 + (int(job_id) % 10000) * 2

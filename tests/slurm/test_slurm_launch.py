@@ -1,0 +1,62 @@
+"""`python -m rft.launch ... cluster=slurm` on a real Slurm: one job, ranks from the Slurm
+environment, the same result as a local run; errors before submit name the key."""
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e"))
+from helpers import launch  # noqa: E402
+
+SFT_STEPS, GRPO_STEPS = 800, 40
+
+
+def test_quickstart_runs_and_learns_on_slurm(slurm, tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch("+experiment=quickstart", "cluster=slurm", "cluster.wait=true", f"run.output_dir={run_dir}",
+                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "submitted job" in result.stdout and "tensorboard --logdir" in result.stdout
+    job_id = result.stdout.split("submitted job ")[1].split()[0]
+    # both ranks ran as tasks of that Slurm job (submitit's per-task logs), on the Slurm node
+    for rank in (0, 1):
+        log = (run_dir / "logs" / f"{job_id}_{rank}_log.out").read_text()
+        assert f"rank {rank}/2" in log
+    evals = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    after_sft = [e["accuracy"] for e in evals if e["stage"] == "sft" and e["when"] == "end"][0]
+    end = [e["accuracy"] for e in evals if e["stage"] == "grpo" and e["when"] == "end"][0]
+    assert after_sft >= 0.15, f"SFT warm-up reached only {after_sft:.2f}"
+    assert end >= after_sft + 0.05, f"GRPO did not raise accuracy on Slurm: {after_sft:.3f} -> {end:.3f}"
+
+
+def test_submit_without_wait_returns_the_job_id(slurm, tmp_path):
+    import subprocess
+
+    result = launch("+experiment=quickstart", "cluster=slurm", f"run.output_dir={tmp_path}",
+                    "stages.0.trainer.max_steps=2", "stages.1.trainer.max_steps=1")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    job_id = result.stdout.split("submitted job ")[1].split()[0]
+    assert f"scancel {job_id}" in result.stdout
+    subprocess.run(["scancel", job_id])
+
+
+def test_unknown_partition_fails_before_submit(slurm, tmp_path):
+    result = launch("+experiment=quickstart", "cluster=slurm", "cluster.partition=nope", f"run.output_dir={tmp_path}")
+    assert result.returncode == 2
+    assert "cluster.partition='nope'" in result.stderr and "debug" in result.stderr
+
+
+def test_more_gpus_than_the_nodes_have_fails_before_submit(slurm, tmp_path):
+    result = launch("+experiment=quickstart", "cluster=slurm", "cluster.gpus_per_node=2", f"run.output_dir={tmp_path}")
+    assert result.returncode == 2
+    assert "cluster.gpus_per_node=2" in result.stderr and "at most 0 GPUs" in result.stderr
+
+
+def test_auto_picks_slurm_when_a_controller_answers(slurm, tmp_path):
+    import subprocess
+
+    result = launch("+experiment=quickstart", "cluster=auto", f"run.output_dir={tmp_path}",
+                    "stages.0.trainer.max_steps=2", "stages.1.trainer.max_steps=1")
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "cluster=auto -> slurm" in result.stdout
+    subprocess.run(["scancel", result.stdout.split("submitted job ")[1].split()[0]])

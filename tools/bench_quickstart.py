@@ -33,7 +33,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="rft-bench-")
-    cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", f"run.output_dir={out}",
+    cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=local", f"run.output_dir={out}",
            "monitor.progress=false", "monitor.eval_interval=0",
            f"stages.0.trainer.max_steps={args.sft_steps}", f"stages.1.trainer.max_steps={args.grpo_steps}"]
     print("running:", " ".join(cmd), flush=True)

@@ -261,8 +261,8 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
 
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
-    if cfg.cluster.kind not in ("local", "slurm"):
-        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=local` or `cluster=slurm` (auto is resolved first)")
+    if cfg.cluster.kind not in ("auto", "local", "slurm"):
+        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
     if cfg.cluster.trainer_ranks < 1:
         _fail("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
     if cfg.cluster.rollout_ranks != 1:

@@ -68,15 +68,21 @@ def slurm_job_alive(job_id: str) -> Callable[[int], bool | None]:
     (submitit reads job states from sacct, which clusters without accounting lack.)"""
     import subprocess
 
+    last: dict[str, float | bool | None] = {"at": -1e9, "verdict": None}
+
     def alive(_rank: int) -> bool | None:
+        if time.monotonic() - last["at"] < 10:  # one squeue per 10 s, not one per rank per poll
+            return last["verdict"]
         try:
             out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
                                  text=True, timeout=30)
+            # a busy or unreachable controller gives no verdict
+            ok = out.returncode == 0 or "Invalid job id" in out.stderr
+            verdict = bool(out.stdout.strip()) if ok else None
         except (OSError, subprocess.TimeoutExpired):
-            return None
-        if out.returncode != 0 and "Invalid job id" not in out.stderr:
-            return None  # controller busy or unreachable: no verdict
-        return bool(out.stdout.strip())
+            verdict = None
+        last.update(at=time.monotonic(), verdict=verdict)
+        return verdict
 
     return alive
 

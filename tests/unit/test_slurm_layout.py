@@ -55,7 +55,12 @@ def _gpu_profile(tmp_path) -> RFTConfig:
     return cfg
 
 
-def test_sbatch_script_for_4_nodes_x_8_gpus_matches_golden(tmp_path):
+def test_sbatch_script_for_4_nodes_x_8_gpus_matches_golden(tmp_path, monkeypatch):
+    # submitit's executor refuses to exist where `srun` is not on PATH; writing the script needs none
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (tmp_path / "bin" / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
     cfg = _gpu_profile(tmp_path)
     executor = make_executor(cfg, str(tmp_path / "logs"))
     script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")

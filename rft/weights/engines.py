@@ -166,8 +166,9 @@ class CheckpointSender:
                            {"metadata": {"rft_version": version}, "weight_map": weight_map})
 
     def _prune(self, version: int) -> None:
-        for old in range(1, version - self.keep_versions + 1):
-            shutil.rmtree(_version_dir(self.layout.checkpoint_dir, old), ignore_errors=True)
+        for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*")):
+            if int(os.path.basename(path)[1:]) <= version - self.keep_versions:
+                shutil.rmtree(path, ignore_errors=True)
 
 
 class CheckpointReceiver:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from rft.config import ClusterConfig, RFTConfig, sync_engine
@@ -44,7 +43,6 @@ class RankInfo:
     @property
     def weight_port(self) -> int:
         return self.master_port + 1
-
 
 
 def free_port() -> int:

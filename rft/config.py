@@ -212,7 +212,8 @@ _REWARDS = ("exact_match", "math_verify")
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def _fail(key: str, value: Any, fix: str) -> None:
+def config_error(key: str, value: Any, fix: str) -> None:
+    """Raise the ValueError every config check uses: the key, its value, and how to fix it."""
     raise ValueError(f"{key}={value!r} is invalid: {fix}")
 
 
@@ -220,10 +221,10 @@ def _check_file(key: str, path: Optional[str], generated: bool) -> None:
     if path is None or generated:
         return
     if not os.path.exists(path):
-        _fail(key, path, "no such file; point it at a .jsonl or .parquet taskset "
+        config_error(key, path, "no such file; point it at a .jsonl or .parquet taskset "
                          f"(e.g. `{key}=../shared/data/gsm8k/train.jsonl`)")
     if not path.endswith((".jsonl", ".json", ".parquet")):
-        _fail(key, path, "use a .jsonl or .parquet file")
+        config_error(key, path, "use a .jsonl or .parquet file")
 
 
 def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
@@ -250,28 +251,28 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
     heads, kv_heads, layers = shape
     tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
     if heads % tp or kv_heads % tp:
-        _fail("trainer.tensor_parallel_size", tp,
+        config_error("trainer.tensor_parallel_size", tp,
               f"must divide the model's {heads} attention heads and {kv_heads} key/value heads")
     if layers % pp:
-        _fail("trainer.pipeline_parallel_size", pp, f"must divide the model's {layers} layers")
+        config_error("trainer.pipeline_parallel_size", pp, f"must divide the model's {layers} layers")
     rtp = cfg.rollout.tensor_parallel_size
     if heads % rtp:
-        _fail("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
+        config_error("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
 
 
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
-        _fail("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
+        config_error("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
     if cfg.cluster.trainer_ranks < 1:
-        _fail("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
+        config_error("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
     if cfg.cluster.rollout_ranks != 1:
-        _fail("cluster.rollout_ranks", cfg.cluster.rollout_ranks, "one rollout rank for now")
+        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks, "one rollout rank for now")
     if cfg.model.dtype not in _DTYPES:
-        _fail("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
+        config_error("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
     model_generated = cfg.model.tiny is not None
     if not model_generated and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        _fail("model.path", cfg.model.path,
+        config_error("model.path", cfg.model.path,
               "not an HF model directory (no config.json); for SmolLM2-135M run "
               "`python tools/prepare_smollm2.py` and pass `model=smollm2_135m`, or set "
               "`model.path=/path/to/hf_model`")
@@ -280,58 +281,58 @@ def validate(cfg: RFTConfig) -> None:
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
         generated = data.arithmetic is not None
         if generated and data.eval_path is None:
-            _fail(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
+            config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
                                                    "set it to a .jsonl path")
         _check_file(f"{prefix}data.train_path", data.train_path, generated)
         _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
         if algo.name not in _ALGORITHMS:
-            _fail(f"{prefix}algorithm.name", algo.name, f"choose one of {_ALGORITHMS}")
+            config_error(f"{prefix}algorithm.name", algo.name, f"choose one of {_ALGORITHMS}")
         if algo.reward not in _REWARDS:
-            _fail(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
+            config_error(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
         if algo.name == "grpo" and algo.group_size < 2:
-            _fail(f"{prefix}algorithm.group_size", algo.group_size,
+            config_error(f"{prefix}algorithm.group_size", algo.group_size,
                   "GRPO normalises within a group; use 2 or more samples per task")
         if not 0 < algo.clip_eps < 1:
-            _fail(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
+            config_error(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
         if algo.lr <= 0:
-            _fail(f"{prefix}algorithm.lr", algo.lr, "learning rate must be positive")
+            config_error(f"{prefix}algorithm.lr", algo.lr, "learning rate must be positive")
         if trainer.max_steps < 0:
-            _fail(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
+            config_error(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
         if trainer.micro_batch_size < 1:
-            _fail(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
+            config_error(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
         tp = trainer.tensor_parallel_size
         if cfg.cluster.trainer_ranks % tp:
-            _fail(f"{prefix}trainer.tensor_parallel_size", tp,
+            config_error(f"{prefix}trainer.tensor_parallel_size", tp,
                   f"must divide cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
         pp = trainer.pipeline_parallel_size
         if pp < 1 or cfg.cluster.trainer_ranks % (tp * pp):
-            _fail(f"{prefix}trainer.pipeline_parallel_size", pp,
+            config_error(f"{prefix}trainer.pipeline_parallel_size", pp,
                   f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} must divide "
                   f"cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
         if rollout.tasks_per_step < 1:
-            _fail(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
+            config_error(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
         if rollout.max_new_tokens < 1:
-            _fail(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
+            config_error(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
         if rollout.tensor_parallel_size < 1:
-            _fail(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
+            config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
         if rollout.tensor_parallel_size != cfg.rollout.tensor_parallel_size:
-            _fail(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
+            config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
                   "the vLLM engine lives for the whole run; set rollout.tensor_parallel_size globally")
         if (tp, pp) != (cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size):
-            _fail(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
+            config_error(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
                   "the trainer's model layout lives for the whole run; set it globally")
     if cfg.sync.interval != 1 or cfg.sync.offset != 0:
-        _fail("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
+        config_error("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
               "only synchronous on-policy (interval=1, offset=0) is built so far")
     _check_parallel_layout(cfg)
     if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
-        _fail("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
+        config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
     if cfg.sync.bucket_mb < 1:
-        _fail("sync.bucket_mb", cfg.sync.bucket_mb, "use 1 or more MiB")
+        config_error("sync.bucket_mb", cfg.sync.bucket_mb, "use 1 or more MiB")
     if cfg.sync.wire_dtype != "auto" and cfg.sync.wire_dtype not in _DTYPES:
-        _fail("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
+        config_error("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
     if cfg.buffer.format not in ("parquet", "arrow"):
-        _fail("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
+        config_error("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
 
 
 def sync_engine(sync: SyncConfig, on_gpu: bool) -> str:

@@ -100,7 +100,7 @@ def submit(cfg: RFTConfig) -> int:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress,
                         alive=slurm_job_alive(job.job_id) if on_slurm else None)
     finally:
-        if not job.done() and not (on_slurm and not cfg.cluster.wait):
+        if not job.done():
             job.cancel()
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)

@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from rft.config import ClusterConfig, RFTConfig
+from rft.config import ClusterConfig, RFTConfig, config_error
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,24 +47,20 @@ def tasks_per_node(cluster: ClusterConfig) -> int:
     return cluster.gpus_per_node if cluster.gpus_per_node else math.ceil(world / cluster.nodes)
 
 
-def _fail(key: str, value: Any, fix: str) -> None:
-    raise ValueError(f"{key}={value!r}: {fix}")
-
-
 def check_request(cfg: RFTConfig) -> None:
     """What can be checked without the cluster: the task layout and the container image."""
     c = cfg.cluster
     world = c.trainer_ranks + c.rollout_ranks
     if c.nodes < 1:
-        _fail("cluster.nodes", c.nodes, "use 1 or more")
+        config_error("cluster.nodes", c.nodes, "use 1 or more")
     if c.gpus_per_node and world != c.nodes * c.gpus_per_node:
-        _fail("cluster.trainer_ranks + cluster.rollout_ranks", world,
+        config_error("cluster.trainer_ranks + cluster.rollout_ranks", world,
               f"one rank per GPU: must equal cluster.nodes x cluster.gpus_per_node = "
               f"{c.nodes} x {c.gpus_per_node}")
     if not c.gpus_per_node and world % c.nodes:
-        _fail("cluster.nodes", c.nodes, f"must divide the {world} ranks (CPU nodes: ranks split evenly)")
+        config_error("cluster.nodes", c.nodes, f"must divide the {world} ranks (CPU nodes: ranks split evenly)")
     if c.container_image and not os.path.exists(c.container_image):
-        _fail("cluster.container_image", c.container_image,
+        config_error("cluster.container_image", c.container_image,
               "no such file; build it with `apptainer build rft.sif containers/rft.def`")
 
 
@@ -73,15 +69,15 @@ def check_against_cluster(cfg: RFTConfig) -> None:
     c = cfg.cluster
     partitions = _run(["sinfo", "-h", "-o", "%P"])
     if partitions is None:
-        _fail("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
+        config_error("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
     names = {p.strip().rstrip("*") for p in partitions.split()}
     if c.partition and c.partition not in names:
-        _fail("cluster.partition", c.partition, f"not a partition here; sinfo lists {sorted(names)}")
+        config_error("cluster.partition", c.partition, f"not a partition here; sinfo lists {sorted(names)}")
     if c.gpus_per_node:
         gres = _run(["sinfo", "-h", "-o", "%G"] + (["-p", c.partition] if c.partition else [])) or ""
         most = max((_gpus_in_gres(g) for g in gres.split()), default=0)
         if c.gpus_per_node > most:
-            _fail("cluster.gpus_per_node", c.gpus_per_node,
+            config_error("cluster.gpus_per_node", c.gpus_per_node,
                   f"the nodes of partition {c.partition or '(default)'} have at most {most} GPUs")
 
 

@@ -12,7 +12,6 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from rft.config import ModelConfig, RolloutConfig
@@ -52,7 +51,6 @@ class WeightReceiver:
             finalize_layerwise_reload(model, self.model_config)
             _reprocess_tied_layers(model)
         return version, tail_s + time.perf_counter() - start
-
 
     def rft_raw_broadcast(self, nbytes: int) -> None:
         """Receive one flat tensor of `nbytes` on the first weight group: the bandwidth bound that

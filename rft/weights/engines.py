@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from rft.monitor import write_json_atomic
 from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
 from rft.weights.transfer import (
     LoadFn,
@@ -107,13 +108,6 @@ def _version_dir(root: str, version: int) -> str:
     return os.path.join(root, f"v{version:06d}")
 
 
-def _write_json_atomic(path: str, payload: dict) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(payload, f)
-    os.replace(tmp, path)
-
-
 class CheckpointSender:
     """Writes version v as `<dir>/v<v>/`: safetensors files per bucket, one `stage<s>.json` per stage,
     and (once every stage is there) `model.safetensors.index.json`, which marks it complete."""
@@ -147,7 +141,7 @@ class CheckpointSender:
                     glob.glob(os.path.join(self.hf_files_from, "*.txt")):
                 if not path.endswith(".index.json"):
                     shutil.copy(path, vdir)
-        _write_json_atomic(os.path.join(vdir, f"stage{self.stage}.json"),
+        write_json_atomic(os.path.join(vdir, f"stage{self.stage}.json"),
                            {"version": version, "table": table, "weight_map": weight_map})
         self._complete_if_last(vdir, version)
         if self.stage == 0:
@@ -162,7 +156,7 @@ class CheckpointSender:
         for path in stages:
             with open(path) as f:
                 weight_map.update(json.load(f)["weight_map"])
-        _write_json_atomic(os.path.join(vdir, "model.safetensors.index.json"),
+        write_json_atomic(os.path.join(vdir, "model.safetensors.index.json"),
                            {"metadata": {"rft_version": version}, "weight_map": weight_map})
 
     def _prune(self, version: int) -> None:

@@ -39,7 +39,9 @@ class Pending:
     def wait(self) -> None:
         g = self.group
         try:
-            g.work_wait(self.work)
+            # with an explicit timeout, gloo and NCCL work objects both block this thread until the
+            # collective completes or the timeout passes, then raise
+            self.work.wait(datetime.timedelta(seconds=g.timeout_s))
         except Exception as err:
             others = [n for i, n in enumerate(g.peer_names) if i != g.rank]
             raise PeerTimeoutError(
@@ -69,11 +71,6 @@ class WeightGroup:
 
     def broadcast(self, tensor: torch.Tensor, what: str) -> None:
         self.broadcast_async(tensor, what).wait()
-
-    def work_wait(self, work: dist.Work) -> None:
-        # With an explicit timeout both gloo and NCCL work objects block the calling thread until
-        # the collective completes or the timeout passes, then raise.
-        work.wait(datetime.timedelta(seconds=self.timeout_s))
 
 
 def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, timeout_s: float,

@@ -1,10 +1,11 @@
 """Small random HF models of each supported family, and a spawn helper for gloo ranks."""
 
 import os
-import socket
 
 import torch
 import torch.multiprocessing as mp
+
+from rft.cluster import free_port  # noqa: F401  (re-exported for the tests here)
 
 VOCAB = 97
 
@@ -42,12 +43,6 @@ def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
 
     build_char_tokenizer().save_pretrained(out_dir)  # vLLM wants one; ids past it are still valid
     return out_dir
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:

@@ -1,11 +1,8 @@
 """megatron-core GPTModel at TP=2 on two gloo ranks computes the logits of TP=1 (and of HF)."""
 
-import os
-import socket
-
 import pytest
 import torch
-import torch.multiprocessing as mp
+from dist_models import free_port, init_gloo, spawn
 
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
@@ -13,23 +10,14 @@ from rft.models.tiny import create_tiny_model
 SEQUENCES = [[1, 5, 6, 14, 7, 8, 17, 9, 10, 2], [1, 12, 13, 14, 20, 21, 17, 30, 31, 32]]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.trainer.forward import causal_mask, vocab_parallel_logprobs
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    init_model_parallel(tp, seed=0)
+    init_gloo(rank, world, port, tp, pp=1)
     from megatron.core import parallel_state
 
     model, geo = build_gpt_model(model_dir)
@@ -50,8 +38,7 @@ def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str)
 
 
 def _run(world: int, tp: int, model_dir: str, out: str) -> dict:
-    mp.start_processes(_worker, args=(world, tp, _port(), model_dir, out), nprocs=world,
-                       start_method="spawn", join=True)
+    spawn(_worker, world, tp, free_port(), model_dir, out)
     return torch.load(out)
 
 

@@ -67,7 +67,17 @@ EOF
 stop() {
     for daemon in slurmd slurmctld; do
         if [ -f "$DIR/$daemon.pid" ]; then kill "$(cat "$DIR/$daemon.pid")" 2>/dev/null || true; fi
+        # slurmd drops its pid file before it exits; find it by its config too
+        pkill -f "^$daemon -f $DIR/slurm.conf" 2>/dev/null || true
     done
+    # a step cancelled just before the controller stopped keeps retrying to report to it and
+    # holds slurmd, ignoring SIGTERM; on this single-node test cluster every step is ours
+    pkill -f '^slurmstepd:' 2>/dev/null || true
+    for _ in $(seq 25); do
+        pgrep -f "^slurm(d|ctld) -f $DIR/slurm.conf|^slurmstepd:" >/dev/null || return 0
+        sleep 0.2
+    done
+    pkill -9 -f "^slurm(d|ctld) -f $DIR/slurm.conf|^slurmstepd:" 2>/dev/null || true
 }
 
 "${1:-start}"

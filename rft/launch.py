@@ -11,7 +11,7 @@ import signal
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from rft.config import RFTConfig, register_configs, validate
 
@@ -53,21 +53,13 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     console.print(table)
 
 
-def submit(cfg: RFTConfig) -> int:
-    """Submit the job (submitit local or Slurm executor); follow it unless it is a Slurm job
-    without `cluster.wait`. Returns the process exit code."""
+def _executor(cfg: RFTConfig, log_dir: str):
+    """(submitit executor, rendezvous port) for cfg's cluster; port 0: each Slurm task derives it."""
     import submitit
 
     from rft.cluster import free_port
-    from rft.job import run_rank
-    from rft.monitor import write_json_atomic
-    from rft.report import build_summary, console, print_summary, slurm_job_alive, watch
 
-    log_dir = os.path.join(cfg.run.output_dir, "logs")
-    print_plan(cfg, log_dir)
-    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
-    on_slurm = cfg.cluster.kind == "slurm"
-    if on_slurm:
+    if cfg.cluster.kind == "slurm":
         import logging
 
         from rft.slurm import make_executor
@@ -75,25 +67,27 @@ def submit(cfg: RFTConfig) -> int:
         # submitit reads job states with sacct and warns on every poll where accounting is off;
         # rft follows the job through its result files and squeue instead
         logging.getLogger("submitit").setLevel(logging.ERROR)
+        return make_executor(cfg, log_dir), cfg.cluster.master_port
+    executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
+    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min, gpus_per_node=0)
+    return executor, cfg.cluster.master_port or free_port()
 
-        executor = make_executor(cfg, log_dir)
-        port = cfg.cluster.master_port  # 0: every task derives it from the job id
-    else:
-        executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
-        executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min,
-                                   gpus_per_node=0)
-        port = cfg.cluster.master_port or free_port()
+
+def _resolved_config(cfg: RFTConfig) -> dict:
+    """The config tree the ranks get, also saved as <output dir>/config.yaml."""
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     OmegaConf.save(OmegaConf.create(config), os.path.join(cfg.run.output_dir, "config.yaml"))
-    job = executor.submit(run_rank, config, port)
-    console.print(f"submitted job {job.job_id} ({world} tasks)")
-    if on_slurm:
-        console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
-                      f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
-                      soft_wrap=True)
-        if not cfg.cluster.wait:
-            console.print(f"follow it with `squeue -j {job.job_id}`; cancel with `scancel {job.job_id}`")
-            return 0
+    return config
+
+
+def follow(job, cfg: RFTConfig, log_dir: str) -> int:
+    """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
+    from rft.monitor import write_json_atomic
+    from rft.report import build_summary, console, print_summary, slurm_job_alive, watch
+
+    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    on_slurm = cfg.cluster.kind == "slurm"
     # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -112,26 +106,102 @@ def submit(cfg: RFTConfig) -> int:
     return 0
 
 
-@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
-def main(dcfg: DictConfig) -> None:
+def submit(cfg: RFTConfig) -> int:
+    """Submit one run (submitit local or Slurm executor); follow it unless it is a Slurm job
+    without `cluster.wait`. Returns the process exit code."""
+    from rft.job import run_rank
+    from rft.report import console
+
+    log_dir = os.path.join(cfg.run.output_dir, "logs")
+    print_plan(cfg, log_dir)
+    executor, port = _executor(cfg, log_dir)
+    job = executor.submit(run_rank, _resolved_config(cfg), port)
+    console.print(f"submitted job {job.job_id} ({cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks} tasks)")
+    if cfg.cluster.kind == "slurm":
+        console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
+                      f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
+                      soft_wrap=True)
+        if not cfg.cluster.wait:
+            console.print(f"follow it with `squeue -j {job.job_id}`; cancel with `scancel {job.job_id}`")
+            return 0
+    return follow(job, cfg, log_dir)
+
+
+def submit_array(runs: list[RFTConfig], sweep_dir: str) -> int:
+    """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
+    from rft.job import run_rank
+    from rft.report import console
+
+    log_dir = os.path.join(sweep_dir, "logs")
+    print_plan(runs[0], log_dir)
+    executor, port = _executor(runs[0], log_dir)
+    with executor.batch():
+        jobs = [executor.submit(run_rank, _resolved_config(run), port) for run in runs]
+    array_id = jobs[0].job_id.split("_")[0]
+    world = runs[0].cluster.trainer_ranks + runs[0].cluster.rollout_ranks
+    console.print(f"submitted array job {array_id} ({len(runs)} runs x {world} tasks)")
+    for job, run in zip(jobs, runs):
+        console.print(f"  {job.job_id}: {run.run.output_dir}  (logs {log_dir}/{job.job_id}_<rank>_log.out|err)",
+                      soft_wrap=True)
+    console.print(f"tensorboard: tensorboard --logdir {sweep_dir}", soft_wrap=True)
+    if not runs[0].cluster.wait:
+        console.print(f"follow it with `squeue -j {array_id}`; cancel with `scancel {array_id}`")
+        return 0
+    codes = []
+    for job, run in zip(jobs, runs):
+        console.print(f"following {job.job_id} ({run.run.output_dir})", soft_wrap=True)
+        codes.append(follow(job, run, log_dir))
+    return max(codes)
+
+
+def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
+    """Compose -> typed config, cluster kind resolved, validated and checked, inputs generated.
+    Raises ValueError naming the key on a bad config."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if multirun and not any(o.split("=")[0].lstrip("+~") == "run.output_dir"
+                            for o in HydraConfig.get().overrides.task):
+        # each sweep run writes to its own <sweep dir>/<n> (set before resolving: data paths
+        # interpolate it)
+        with open_dict(dcfg):
+            dcfg.run.output_dir = HydraConfig.get().runtime.output_dir
     cfg: RFTConfig = OmegaConf.to_object(dcfg)
     cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
-    try:
-        from rft.slurm import check_against_cluster, check_request, resolve_kind
+    from rft.slurm import check_against_cluster, check_request, resolve_kind
 
-        if cfg.cluster.kind == "auto":
-            cfg.cluster.kind = resolve_kind(cfg.cluster)
-            print(f"rft: cluster=auto -> {cfg.cluster.kind} "
-                  f"({'a Slurm controller answers' if cfg.cluster.kind == 'slurm' else 'no Slurm controller answers'})")
-        validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
-        if cfg.cluster.kind == "slurm":
-            check_request(cfg)
-            check_against_cluster(cfg)
-        prepare(cfg)
+    if cfg.cluster.kind == "auto":
+        cfg.cluster.kind = resolve_kind(cfg.cluster)
+        print(f"rft: cluster=auto -> {cfg.cluster.kind} "
+              f"({'a Slurm controller answers' if cfg.cluster.kind == 'slurm' else 'no Slurm controller answers'})")
+    validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
+    if cfg.cluster.kind == "slurm":
+        check_request(cfg)
+        check_against_cluster(cfg)
+    prepare(cfg)
+    return cfg
+
+
+@hydra.main(config_path="../conf", config_name="config", version_base="1.3")
+def main(dcfg: DictConfig) -> None:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from rft import sweep
+
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        cfg = configure(dcfg, multirun)
     except ValueError as err:
         print(f"rft: config error: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(submit(cfg))
+        sys.exit(2)  # in a sweep: before anything was submitted to Slurm
+    if multirun and cfg.cluster.kind == "slurm":
+        sweep.QUEUED.append(cfg)  # submitted as one array when the sweep ends (rft/sweep.py)
+        print(f"rft: sweep run {len(sweep.QUEUED) - 1} -> {cfg.run.output_dir}")
+        return
+    code = submit(cfg)
+    if not multirun:
+        sys.exit(code)
+    sweep.EXIT_CODES.append(code)
 
 
 if __name__ == "__main__":

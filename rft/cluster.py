@@ -29,7 +29,7 @@ class RankInfo:
     trainer_ranks: int
     rollout_ranks: int
     master_addr: str
-    master_port: int  # trainer group; the weight group uses master_port + 1
+    master_port: int  # trainer group; weight groups use master_port + 1, the control group + 2
 
     @property
     def role(self) -> str:
@@ -46,18 +46,19 @@ class RankInfo:
 
 
 def free_port() -> int:
-    """A port that is free now and whose successor is free too (trainer + weight groups)."""
+    """A port that is free now with its next two (trainer, weight and control groups)."""
     for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
+            for offset in (1, 2):
+                with socket.socket() as s2:
+                    s2.bind(("127.0.0.1", port + offset))
             return port
         except OSError:
             continue
-    raise RuntimeError("could not find two consecutive free ports on 127.0.0.1")
+    raise RuntimeError("could not find three consecutive free ports on 127.0.0.1")
 
 
 def rank_info_from_env(cluster: ClusterConfig, master_port: int) -> RankInfo:

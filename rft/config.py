@@ -96,6 +96,8 @@ class TrainerConfig:
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # sequences per SFT step
     threads: int = 0  # torch CPU threads per rank (0: all cores; roles take turns when synchronous)
+    save_interval: int = 0  # checkpoint every N global steps (0: only when Slurm signals the time limit)
+    keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
 
 
 @dataclass
@@ -138,6 +140,8 @@ class ClusterConfig:
     container_image: Optional[str] = None  # Apptainer image the ranks run in (launch/rank.sh)
     container_binds: list[str] = field(default_factory=list)  # paths bound into the container
     env: dict[str, str] = field(default_factory=dict)  # exported for every rank, e.g. NCCL_IB_HCA
+    max_requeues: int = 3  # times a job stopped by the time-limit signal requeues itself
+    signal_delay_s: int = 120  # Slurm sends SIGUSR2 this long before the time limit: save, requeue
 
 
 @dataclass
@@ -266,6 +270,12 @@ def validate(cfg: RFTConfig) -> None:
         config_error("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
     if cfg.cluster.trainer_ranks < 1:
         config_error("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
+    for key, value, least in (("trainer.save_interval", cfg.trainer.save_interval, 0),
+                              ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1),
+                              ("cluster.max_requeues", cfg.cluster.max_requeues, 0),
+                              ("cluster.signal_delay_s", cfg.cluster.signal_delay_s, 0)):
+        if value < least:
+            config_error(key, value, f"must be >= {least}")
     if cfg.cluster.rollout_ranks != 1:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks, "one rollout rank for now")
     if cfg.model.dtype not in _DTYPES:

@@ -12,6 +12,18 @@ def pid_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "pids", f"rank{rank}.pid")
 
 
+def _roll_back_buffer(cfg, info, done: int) -> None:
+    """Set aside this producer's experience written after the checkpoint (see ExperienceBuffer.roll_back)."""
+    from rft.buffer.shards import ExperienceBuffer
+    from rft.checkpoint import requeue_count
+
+    buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+    into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{done:08d}"
+    moved = buffer.roll_back(info.rank, done, into)
+    if moved:
+        print(f"set aside {len(moved)} experience shard(s) written after the checkpoint: buffer/{into}", flush=True)
+
+
 def run_rank(config: dict, master_port: int) -> dict:
     """Entry point pickled by submitit; `config` is the resolved, validated config tree."""
     from rft.cluster import init_trainer_group, rank_info_from_env
@@ -27,15 +39,27 @@ def run_rank(config: dict, master_port: int) -> dict:
 
     threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1))
     torch.set_num_threads(threads)
+    from rft.checkpoint import newest_complete
+    from rft.preemption import ControlGroup, StopFlag
+
     try:
+        stop = StopFlag()
+        stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
+        resume = newest_complete(cfg.run.output_dir, info.world_size)
+        if resume is not None:
+            print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
+            if info.role == "rollout":
+                _roll_back_buffer(cfg, info, resume.done)
+        # every rank meets here, so no trainer claims experience before the rollback above
+        control = ControlGroup(info, cfg.sync.timeout_s)
         if info.role == "trainer":
             from rft.trainer.trainer import run_trainer
 
             init_trainer_group(info, cfg.sync.timeout_s)
-            return run_trainer(cfg, info)
+            return run_trainer(cfg, info, control, stop, resume)
         from rft.explorer.explorer import run_explorer
 
-        return run_explorer(cfg, info)
+        return run_explorer(cfg, info, control, stop, resume)
     except BaseException:
         traceback.print_exc()
         raise

@@ -32,19 +32,38 @@ def read_jsonl(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-class Monitor:
-    """Per-rank scalar logger: TensorBoard events plus a jsonl copy the launcher and tools read."""
+def drop_from_step(path: str, step: int) -> None:
+    """Rewrite a jsonl log without entries at `step` or later (a resumed run logs them again)."""
+    rows = read_jsonl(path)
+    kept = [r for r in rows if r.get("step", 0) < step]
+    if len(kept) == len(rows):
+        return
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(tmp, path)
 
-    def __init__(self, run_dir: str, rank_name: str):
+
+class Monitor:
+    """Per-rank scalar logger: TensorBoard events plus a jsonl copy the launcher and tools read.
+
+    Each rank writes its own TensorBoard run (`tensorboard/<rank name>/`): TensorBoard reads one
+    writer per directory reliably, and a resumed rank's `purge_step` hides only its own events
+    from steps the previous attempt logged after its checkpoint.
+    """
+
+    def __init__(self, run_dir: str, rank_name: str, resume_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = run_dir
         self.metrics_dir = os.path.join(run_dir, "metrics")
         os.makedirs(self.metrics_dir, exist_ok=True)
-        # flushed by its own thread every few seconds: no file I/O on the step's critical path
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), filename_suffix=f".{rank_name}",
-                                    flush_secs=5)
         self.jsonl = os.path.join(self.metrics_dir, f"{rank_name}.jsonl")
+        if resume_step is not None:
+            drop_from_step(self.jsonl, resume_step)
+        # flushed by its own thread every few seconds: no file I/O on the step's critical path
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard", rank_name), flush_secs=5,
+                                    purge_step=resume_step)
 
     def log(self, step: int, scalars: dict[str, float], stage: str) -> None:
         for key, value in scalars.items():

@@ -112,7 +112,7 @@ def make_executor(cfg: RFTConfig, folder: str):
     executor = submitit.SlurmExecutor(folder=folder, python=f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}")
     params: dict[str, Any] = dict(
         job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(c),
-        cpus_per_task=c.cpus_per_task, setup=_setup_lines(c), signal_delay_s=120)
+        cpus_per_task=c.cpus_per_task, setup=_setup_lines(c), signal_delay_s=c.signal_delay_s)
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     for key in ("partition", "account", "qos", "constraint"):
@@ -127,6 +127,6 @@ def make_executor(cfg: RFTConfig, folder: str):
 
 
 def port_for_job(job_id: str) -> int:
-    """The rendezvous port every task of a Slurm job derives alike (the next one is the weight
-    store's): spread over 20000-39999 by job id, so jobs sharing a node rarely collide."""
-    return 20000 + (int(job_id) % 10000) * 2
+    """The rendezvous port every task of a Slurm job derives alike (the next two are the weight
+    and control stores'): spread over 20000-49999 by job id, so jobs sharing a node rarely collide."""
+    return 20000 + (int(job_id) % 10000) * 3

@@ -262,6 +262,28 @@ class ExperienceBuffer:
                 continue  # committed, or released by someone else, since we listed it
         return released
 
+    # ---- resume ----------------------------------------------------------------------------
+
+    def roll_back(self, producer: int, from_step: int, into: str) -> list[str]:
+        """Move `producer`'s shards of step >= `from_step`, in any state, to `<root>/<into>/`.
+
+        A job resumed from the checkpoint of step `from_step` produces those steps again; the
+        copies written after that checkpoint (whose training the checkpoint does not contain) are
+        kept aside for inspection rather than consumed twice. Returns the moved file names.
+        """
+        moved = []
+        for name in sorted(os.listdir(self.root)):
+            m = re.match(r"^\.?(step(\d{8,})-p(\d{3,})\.(?:parquet|arrow))", name)
+            if not m or int(m.group(3)) != producer or int(m.group(2)) < from_step:
+                continue
+            os.makedirs(os.path.join(self.root, into), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(os.path.join(self.root, name), os.path.join(self.root, into, name))
+                moved.append(name)
+        if moved:
+            _fsync_dir(self.root)
+        return moved
+
     # ---- inspection ------------------------------------------------------------------------
 
     def pending(self) -> list[str]:

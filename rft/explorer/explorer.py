@@ -19,12 +19,14 @@ import torch
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
+from rft.checkpoint import Resume, save_rank_state
 from rft.cluster import RankInfo, sync_layout
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflow import evaluate, run_single_turn
-from rft.monitor import Monitor, append_jsonl, eval_path, rank_summary_path, write_json_atomic
+from rft.monitor import Monitor, append_jsonl, drop_from_step, eval_path, rank_summary_path, write_json_atomic
+from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 
 
 def _max_model_len(cfg: RFTConfig) -> int:
@@ -34,18 +36,31 @@ def _max_model_len(cfg: RFTConfig) -> int:
     return min(limit, 4096)
 
 
-def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
+def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: StopFlag,
+                 resume: Resume | None) -> dict:
+    """Explore every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
     run_dir = cfg.run.output_dir
     t_start = time.time()
+    stop.ignore_in_children()  # vLLM's worker processes must survive Slurm's SIGUSR2
     engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, _max_model_len(cfg))
+    stop.install()
     startup_s = time.time() - t_start  # overlaps the trainer's first steps
-    monitor = Monitor(run_dir, f"rollout{info.rank}")
+    saved = resume.load(info.rank) if resume else None
+    monitor = Monitor(run_dir, f"rollout{info.rank}", resume.done if resume else None)
+    if resume:
+        drop_from_step(eval_path(run_dir), resume.done)
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    global_step, joined = 0, False
-    totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": startup_s}
+    global_step, joined = (saved["global_step"], False) if saved else (0, False)
+    totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": 0.0}
     skipped: dict[str, int] = {}
-    reward_errors = 0
+    reward_errors, prior_wall_s = 0, 0.0
+    if saved:
+        totals, skipped, reward_errors = saved["totals"], saved["skipped"], saved["reward_errors"]
+        prior_wall_s, engine.version = saved["wall_s"], saved["version"]
+    totals["startup_s"] += startup_s
     for stage_index, (stage_name, stage) in enumerate(stage_configs(cfg)):
+        if saved and stage_index < saved["stage_index"]:
+            continue
         algo, rollout, data = stage.algorithm, stage.rollout, stage.data
         eval_scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
         scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
@@ -66,34 +81,57 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
         cursor = None
         if needs_rollouts(stage):
             cursor = TaskCursor(read_stage_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
-        run_eval("start")
-        for step in range(stage.trainer.max_steps):
+        first_step, pending = 0, None
+        if saved and stage_index == saved["stage_index"]:
             if cursor is not None:
-                t0 = time.time()
-                rows = run_single_turn(engine, cursor.next_batch(rollout.tasks_per_step), algo.group_size,
-                                       scorer, rollout.max_new_tokens, rollout.temperature, rollout.top_p,
-                                       list(rollout.stop), cfg.seed * 10**9 + global_step * 10**5,
-                                       cfg.model.chat_template)
-                t1 = time.time()
-                buffer.write(rows, step=global_step, producer=info.rank, version=engine.version)
-                t2 = time.time()
-                generated = sum(len(r) for r in rows["response_ids"])
-                totals["rollout_s"] += t1 - t0
-                totals["buffer_s"] += t2 - t1
-                monitor.log(global_step + 1, {"timing/rollout_s": t1 - t0, "timing/buffer_write_s": t2 - t1,
-                                              "perf/tokens_per_s": generated / max(t1 - t0, 1e-9),
-                                              "rollout/reward_errors": scorer.errors + scorer.timeouts},
-                            stage_name)
+                cursor.load_state_dict(saved["cursor"])
+            first_step, pending, saved = saved["step"], saved["scalars"], None
+        else:
+            run_eval("start")
+        for step in range(first_step, stage.trainer.max_steps):
+            if pending is not None:  # resumed: this step's experience was written before the checkpoint
+                scalars, pending = pending, None
+            else:
+                scalars = {}
+                if cursor is not None:
+                    t0 = time.time()
+                    rows = run_single_turn(engine, cursor.next_batch(rollout.tasks_per_step), algo.group_size,
+                                           scorer, rollout.max_new_tokens, rollout.temperature, rollout.top_p,
+                                           list(rollout.stop), cfg.seed * 10**9 + global_step * 10**5,
+                                           cfg.model.chat_template)
+                    t1 = time.time()
+                    buffer.write(rows, step=global_step, producer=info.rank, version=engine.version)
+                    t2 = time.time()
+                    generated = sum(len(r) for r in rows["response_ids"])
+                    totals["rollout_s"] += t1 - t0
+                    totals["buffer_s"] += t2 - t1
+                    scalars = {"timing/rollout_s": t1 - t0, "timing/buffer_write_s": t2 - t1,
+                               "perf/tokens_per_s": generated / max(t1 - t0, 1e-9),
+                               "rollout/reward_errors": scorer.errors + scorer.timeouts}
+                global_step += 1
+                # the control point, in step with the trainer's (rft/preemption.py)
+                stopping = control.any(stop.requested)
+                if stopping or (cfg.trainer.save_interval and global_step % cfg.trainer.save_interval == 0):
+                    save_rank_state(run_dir, global_step, info.rank, {
+                        "global_step": global_step, "stage_index": stage_index, "step": step,
+                        "cursor": cursor.state_dict() if cursor else None, "version": engine.version,
+                        "scalars": scalars, "totals": totals, "skipped": skipped,
+                        "reward_errors": reward_errors + scorer.errors + scorer.timeouts + eval_scorer.errors
+                        + eval_scorer.timeouts, "wall_s": prior_wall_s + time.time() - t_start})
+                    control.any(False)  # every rank's file is written: the checkpoint is complete
+                    if stopping:
+                        monitor.close()
+                        requeue_or_stop(control, stop, run_dir, global_step, cfg.cluster.max_requeues)
             t3 = time.time()
-            if syncs_after_step(cfg, stage, global_step + 1, step):
+            if syncs_after_step(cfg, stage, global_step, step):
                 if not joined:  # the trainer opens the groups at its first sync, not before
                     engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
                                                 info.role_rank * cfg.rollout.tensor_parallel_size)
                     joined = True
-                apply_s = engine.receive_weights()
-                monitor.log(global_step + 1, {"timing/weight_apply_s": apply_s}, stage_name)
+                scalars["timing/weight_apply_s"] = engine.receive_weights()
             totals["sync_wait_s"] += time.time() - t3
-            global_step += 1
+            if scalars:
+                monitor.log(global_step, scalars, stage_name)
             if is_eval_step(cfg, global_step, step, stage.trainer.max_steps):
                 run_eval("interval")
         run_eval("end")
@@ -102,7 +140,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo) -> dict:
         eval_scorer.close()
     monitor.close()
     summary = {"role": "rollout", "rank": info.rank, "steps": global_step, "version": engine.version,
-               "wall_s": time.time() - t_start, "skipped_rows": skipped, "reward_errors": reward_errors,
-               **totals}
+               "wall_s": prior_wall_s + time.time() - t_start, "skipped_rows": skipped,
+               "reward_errors": reward_errors, **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

@@ -18,10 +18,12 @@ import torch.distributed as dist
 from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
+from rft.checkpoint import Resume, prune, save_rank_state, set_rng_state
 from rft.cluster import RankInfo, sync_layout
 from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step, wire_dtype
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
+from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.train_step import StepBatch, train_step
 from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
@@ -118,7 +120,18 @@ def _make_optimizer(model, algo):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
 
-def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
+def _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher, position: dict) -> dict:
+    from rft.checkpoint import rng_state
+
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "ref_model": ref_model.state_dict() if ref_model else None,
+            "cursor": cursor.state_dict() if cursor else None, "version": publisher.version,
+            "rng": rng_state(), **position}
+
+
+def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: StopFlag,
+                resume: Resume | None) -> dict:
+    """Train every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
     from transformers import AutoTokenizer
 
     run_dir, run_start = cfg.run.output_dir, time.time()
@@ -128,17 +141,24 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    monitor = Monitor(run_dir, f"trainer{info.rank}") if info.rank == 0 else None
+    saved = resume.load(info.rank) if resume else None
+    monitor = Monitor(run_dir, f"trainer{info.rank}", resume.done if resume else None) if info.rank == 0 else None
     reader = ExperienceReader(ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format,
                                                cfg.buffer.lease_s), info, cfg.buffer.wait_timeout_s,
                             cfg.buffer.poll_s)
     publisher = WeightPublisher(cfg, info, geo)
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
-    global_step = 0
-    totals = {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0}
-    skipped: dict[str, int] = {}
+    global_step = saved["global_step"] if saved else 0
+    totals = saved["totals"] if saved else {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0}
+    skipped: dict[str, int] = saved["skipped"] if saved else {}
+    prior_wall_s = saved["wall_s"] if saved else 0.0
+    if saved:
+        model.load_state_dict(saved["model"])
+        publisher.version = saved["version"]
     for stage_index, (stage_name, stage) in enumerate(stages):
+        if saved and stage_index < saved["stage_index"]:
+            continue
         algo = stage.algorithm
         optimizer, scheduler = _make_optimizer(model, algo)
         ref_model = None
@@ -152,38 +172,70 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
         if not needs_rollouts(stage):
             cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped),
                                 cfg.seed + stage_index)
+        first_step, pending = 0, None
+        if saved and stage_index == saved["stage_index"]:
+            optimizer.load_state_dict(saved["optimizer"])
+            scheduler.load_state_dict(saved["scheduler"])
+            if ref_model is not None:
+                ref_model.load_state_dict(saved["ref_model"])
+            if cursor is not None:
+                cursor.load_state_dict(saved["cursor"])
+            set_rng_state(saved["rng"])
+            first_step, pending = saved["step"], saved["scalars"]
+            saved = None
         step_start = time.time()
-        for step in range(stage.trainer.max_steps):
-            scalars: dict[str, float] = {}
-            if cursor is None:
-                table, waited, io_s = reader.next_table()
-                t1 = time.time()  # preparing the batch counts as training
-                batch, scalars = experience_batch(table, algo.group_size, algo.norm_adv_by_std)
-                scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
-                scalars["timing/wait_s"] = waited
-                totals["wait_s"] += waited
+        for step in range(first_step, stage.trainer.max_steps):
+            if pending is not None:  # resumed: this step trained before the checkpoint
+                scalars, pending = pending, None
             else:
-                t1, io_s = time.time(), 0.0
-                batch = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
-            metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id, ref_model)
-            scheduler.step()
-            t2 = time.time()
-            io_s += reader.commit()
+                scalars = {}
+                if cursor is None:
+                    table, waited, io_s = reader.next_table()
+                    t1 = time.time()  # preparing the batch counts as training
+                    batch, scalars = experience_batch(table, algo.group_size, algo.norm_adv_by_std)
+                    scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
+                    scalars["timing/wait_s"] = waited
+                    totals["wait_s"] += waited
+                else:
+                    t1, io_s = time.time(), 0.0
+                    batch = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
+                metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id,
+                                     ref_model)
+                scheduler.step()
+                t2 = time.time()
+                io_s += reader.commit()
+                if cursor is None:
+                    scalars["timing/buffer_read_s"] = io_s
+                global_step += 1
+                totals["train_s"] += t2 - t1
+                totals["buffer_s"] += io_s
+                scalars.update(metrics)
+                scalars.update({"timing/train_s": t2 - t1,
+                                "perf/train_tokens_per_s": metrics["train/tokens"] / max(t2 - t1, 1e-9),
+                                "actor/lr": scheduler.get_last_lr()[0]})
+                # the control point: every rank of the job agrees here whether to stop
+                stopping = control.any(stop.requested)
+                if stopping or (cfg.trainer.save_interval and global_step % cfg.trainer.save_interval == 0):
+                    position = {"global_step": global_step, "stage_index": stage_index, "step": step,
+                                "scalars": scalars, "totals": totals, "skipped": skipped,
+                                "wall_s": prior_wall_s + time.time() - run_start}
+                    save_rank_state(run_dir, global_step, info.rank,
+                                    _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher,
+                                                   position))
+                    control.any(False)  # every rank's file is written: the checkpoint is complete
+                    if info.rank == 0:
+                        prune(run_dir, info.world_size, cfg.trainer.keep_checkpoints)
+                    if stopping:
+                        if monitor is not None:
+                            monitor.close()
+                        requeue_or_stop(control, stop, run_dir, global_step, cfg.cluster.max_requeues)
             t3 = time.time()
-            sent = publisher.publish(model) if syncs_after_step(cfg, stage, global_step + 1, step) else 0
+            sent = publisher.publish(model) if syncs_after_step(cfg, stage, global_step, step) else 0
             t4 = time.time()
-            global_step += 1
-            totals["train_s"] += t2 - t1
-            totals["buffer_s"] += io_s
             totals["sync_s"] += t4 - t3
             if monitor is None:
                 continue
-            scalars.update(metrics)
-            scalars.update({"timing/train_s": t2 - t1, "timing/step_s": t4 - step_start,
-                            "perf/train_tokens_per_s": metrics["train/tokens"] / max(t2 - t1, 1e-9),
-                            "actor/lr": scheduler.get_last_lr()[0]})
-            if cursor is None:
-                scalars["timing/buffer_read_s"] = io_s
+            scalars["timing/step_s"] = t4 - step_start
             if sent:
                 scalars.update({"timing/sync_s": t4 - t3, "perf/sync_gbps": sent / max(t4 - t3, 1e-9) / 1e9})
             monitor.log(global_step, scalars, stage_name)
@@ -194,6 +246,6 @@ def run_trainer(cfg: RFTConfig, info: RankInfo) -> dict:
     if monitor is not None:
         monitor.close()
     summary = {"role": "trainer", "rank": info.rank, "steps": global_step,
-               "wall_s": time.time() - run_start, "skipped_rows": skipped, **totals}
+               "wall_s": prior_wall_s + time.time() - run_start, "skipped_rows": skipped, **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

@@ -20,12 +20,13 @@ def launch(*overrides: str, timeout: int = 1200) -> subprocess.CompletedProcess:
 
 
 def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar in the run's TensorBoard event files: tag -> [(step, value)]."""
+    """Every scalar of the run's TensorBoard runs (one per rank, tensorboard/<rank>/), as
+    TensorBoard shows them (a resumed rank's purged steps hidden): tag -> [(step, value)]."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     scalars: dict[str, list[tuple[int, float]]] = {}
-    for path in glob.glob(os.path.join(run_dir, "tensorboard", "events.out.tfevents.*")):
-        acc = EventAccumulator(path, size_guidance={"scalars": 0})
+    for rank_dir in sorted(glob.glob(os.path.join(run_dir, "tensorboard", "*", ""))):
+        acc = EventAccumulator(rank_dir, size_guidance={"scalars": 0})
         acc.Reload()
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))

@@ -30,7 +30,7 @@ def test_ranks_roles_and_rendezvous_from_a_4_node_job(monkeypatch, procid, nodei
     info = rank_info_from_env(cluster, master_port=0)
     assert (info.rank, info.world_size, info.role, info.role_rank) == (procid, 32, role, role_rank)
     assert info.master_addr == "gpu-a017"  # first node of the allocation, where rank 0 runs
-    assert info.master_port == port_for_job("123457") == 20000 + 3457 * 2
+    assert info.master_port == port_for_job("123457") == 20000 + 3457 * 3
     assert info.weight_port == info.master_port + 1
     assert os.environ["LOCAL_RANK"] == str(localid)  # which GPU of its node the rank takes
 

@@ -1,0 +1,115 @@
+"""Stopping a job cleanly before Slurm kills it, and requeueing it.
+
+Slurm sends SIGUSR2 to every task `signal_delay_s` before the time limit (submitit's
+`--signal=USR2@120`; `scancel -s USR2 <job>` sends it by hand, a site's preemption can too). Any
+rank's handler only raises a flag. At every step's control point all ranks (trainer and rollout)
+all-reduce their flags over a small gloo group, so all of them decide to stop at the same step,
+save their checkpoint files (rft/checkpoint.py), meet once more so the checkpoint is complete,
+and then rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless `cluster.max_requeues`
+is used up. The requeued job runs the same submitted ranks again; they find the checkpoint and
+resume. SIGTERM stays ignored (submitit's choice): `scancel` sends it, and a cancelled job must not
+requeue itself. Hard kills (node failure, preemption without a signal) resume from the newest
+periodic checkpoint (`trainer.save_interval`).
+
+The control group's store listens on master_port + 2 (the trainer group uses master_port, the
+weight groups master_port + 1), hosted by global rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+from rft.cluster import RankInfo
+
+
+class StopFlag:
+    """Set by SIGUSR2. `ignore_in_children()` keeps subprocesses started meanwhile (vLLM's
+    workers) from dying of it: the default action of SIGUSR2 is to terminate, and Slurm signals
+    every process of a task."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.awaiting_requeue = False
+        self._previous_term = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGUSR2, self._on_usr2)
+        previous = signal.signal(signal.SIGTERM, self._on_term)
+        if previous is not self._on_term:
+            self._previous_term = previous
+
+    def ignore_in_children(self) -> None:
+        """Until `install()` again: SIG_IGN survives exec, so spawned workers ignore SIGUSR2; this
+        rank misses a signal meanwhile, but every other rank's flag still reaches the vote."""
+        signal.signal(signal.SIGUSR2, signal.SIG_IGN)
+
+    def _on_usr2(self, signum, frame) -> None:
+        print("rft: got SIGUSR2 (time limit or preemption): stopping at the next step", flush=True)
+        self.requested = True
+
+    def _on_term(self, signum, frame) -> None:
+        if self.awaiting_requeue:  # Slurm is requeueing us; the checkpoint is complete
+            os._exit(0)
+        if callable(self._previous_term):  # submitit's: ignore it (scancel must not requeue)
+            self._previous_term(signum, frame)
+
+
+class ControlGroup:
+    """One gloo group over every rank of the job, for the stop vote and barriers."""
+
+    def __init__(self, info: RankInfo, timeout_s: float):
+        self.info, self.timeout = info, datetime.timedelta(seconds=timeout_s)
+        self.store = dist.TCPStore(info.master_addr, info.master_port + 2, None, is_master=info.rank == 0,
+                                   timeout=self.timeout, wait_for_workers=False)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), info.rank,
+                                        info.world_size, self.timeout)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        opts.timeout = self.timeout
+        self.pg.allreduce([t], opts).wait(self.timeout)
+        return bool(t.item())
+
+
+def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: int, max_requeues: int) -> None:
+    """After every rank saved at `done` steps: rank 0 requeues the Slurm job if allowed; then
+    every rank waits to be killed by the requeue, or raises saying how to resume."""
+    from rft.checkpoint import record_requeue, requeue_count
+
+    info = control.info
+    job_id = os.environ.get("SLURM_JOB_ID")
+    will_requeue, reason = False, ""
+    if info.rank == 0:
+        if job_id is None:
+            reason = "not a Slurm job"
+        elif requeue_count(run_dir) >= max_requeues:
+            reason = f"cluster.max_requeues={max_requeues} requeues used"
+        else:
+            record_requeue(run_dir, done)
+            will_requeue = True
+    if control.any(will_requeue):  # rank 0's decision, to everyone
+        # every rank must expect Slurm's SIGTERM before rank 0 triggers it
+        flag.awaiting_requeue = True
+        control.any(False)
+        if info.rank == 0:
+            out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+            if out.returncode != 0:
+                raise RuntimeError(f"stopped on a signal at step {done} (checkpoint complete) but "
+                                   f"`scontrol requeue {job_id}` failed: {out.stderr.strip()}; launch again "
+                                   f"with run.output_dir={run_dir} to resume")
+        print(f"rft: checkpoint at step {done} complete; job {job_id} requeued, waiting for Slurm "
+              "to stop this task", flush=True)
+        time.sleep(600)  # Slurm's SIGTERM ends us (see StopFlag); reaching the end is an error
+        raise RuntimeError(f"requeued job {job_id} was not stopped by Slurm within 600 s")
+    raise RuntimeError(f"stopped on a signal at step {done}, checkpoint in {run_dir}/checkpoints; not requeued "
+                       f"({reason or 'see rank 0'}); launch again with run.output_dir={run_dir} to resume")

@@ -1,0 +1,61 @@
+"""Run checkpoints on disk: completeness across ranks, pruning, and setting aside experience
+written after the checkpoint a job resumes from."""
+
+import os
+
+import torch
+
+from rft.buffer.shards import ExperienceBuffer
+from rft.checkpoint import newest_complete, prune, record_requeue, requeue_count, save_rank_state
+
+
+def test_newest_complete_skips_a_checkpoint_a_rank_did_not_finish(tmp_path):
+    run = str(tmp_path)
+    assert newest_complete(run, world=2) is None
+    for rank in (0, 1):
+        save_rank_state(run, 10, rank, {"global_step": 10, "rank": rank})
+    save_rank_state(run, 20, 0, {"global_step": 20})  # rank 1 died while saving step 20
+    resume = newest_complete(run, world=2)
+    assert resume.done == 10
+    assert resume.load(1) == {"global_step": 10, "rank": 1}
+    save_rank_state(run, 20, 1, {"global_step": 20, "w": torch.ones(2)})
+    assert newest_complete(run, world=2).done == 20
+    assert torch.equal(newest_complete(run, world=2).load(1)["w"], torch.ones(2))
+
+
+def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
+    run = str(tmp_path)
+    for done in (5, 10, 15):
+        for rank in (0, 1):
+            save_rank_state(run, done, rank, {})
+    save_rank_state(run, 20, 0, {})  # incomplete, newer: kept (it may still be being written)
+    prune(run, world=2, keep=2)
+    assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step00000010", "step00000015", "step00000020"]
+
+
+def test_requeue_count_is_persisted(tmp_path):
+    assert requeue_count(str(tmp_path)) == 0
+    assert record_requeue(str(tmp_path), 7) == 1
+    assert record_requeue(str(tmp_path), 9) == 2
+    assert requeue_count(str(tmp_path)) == 2
+
+
+def test_roll_back_sets_aside_one_producers_shards_from_a_step_on(tmp_path):
+    buf = ExperienceBuffer(str(tmp_path / "buffer"))
+    for step in range(4):
+        for producer in (1, 2):
+            buf.write({"reward": [1.0]}, step=step, producer=producer, version=step)
+    for _ in range(3):  # oldest first: step 0 of both producers, step 1 of producer 1
+        buf.commit(buf.claim(consumer=0, timeout_s=1))
+    claimed = buf.claim(consumer=0, timeout_s=1)  # step 1 producer 2: leased, never committed
+    assert claimed.name == "step00000001-p002.parquet"
+
+    moved = buf.roll_back(producer=1, from_step=1, into="rolled_back/x")
+    # producer 1's steps 1..3, whether consumed, ready or claimed; producer 2 untouched
+    assert sorted(moved) == ["step00000001-p001.parquet.done", "step00000002-p001.parquet",
+                             "step00000003-p001.parquet"]
+    assert buf.consumed() == ["step00000000-p001.parquet", "step00000000-p002.parquet"]
+    assert buf.pending() == ["step00000002-p002.parquet", "step00000003-p002.parquet"]
+    # the resumed producer can write step 1 again
+    buf.write({"reward": [0.5]}, step=1, producer=1, version=1)
+    assert "step00000001-p001.parquet" in buf.pending()

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
 
@@ -34,6 +35,7 @@ def prepare(cfg: RFTConfig) -> None:
 def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     from rich.table import Table
 
+    from rft.checkpoint import newest_complete
     from rft.config import stage_configs
     from rft.report import console
 
@@ -48,6 +50,9 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
                                       for n, s in stage_configs(cfg)))
     table.add_row("output dir", cfg.run.output_dir)
+    resume = newest_complete(cfg.run.output_dir, t + r)
+    if resume is not None:
+        table.add_row("resume", f"from {resume.step_dir} ({resume.done} steps done)")
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
@@ -114,6 +119,8 @@ def submit(cfg: RFTConfig) -> int:
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
     print_plan(cfg, log_dir)
+    # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
+    shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
     executor, port = _executor(cfg, log_dir)
     job = executor.submit(run_rank, _resolved_config(cfg), port)
     console.print(f"submitted job {job.job_id} ({cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks} tasks)")

@@ -1,0 +1,69 @@
+"""A run killed without warning (node failure: every process SIGKILLed) and launched again with the
+same output dir resumes from its newest periodic checkpoint and ends as an uninterrupted run would:
+experience written after the checkpoint is set aside and produced again, each shard is consumed
+once, and TensorBoard shows each step once."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rft.buffer.shards import ExperienceBuffer
+from tests.e2e.helpers import REPO, launch, tensorboard_scalars
+
+SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
+CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
+
+
+def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+                 f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
+                 f"stages.1.trainer.max_steps={GRPO_STEPS}"]
+    first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 600
+        while True:
+            try:
+                step = json.loads((run_dir / "progress.json").read_text())["step"]
+            except (OSError, ValueError):
+                step = 0
+            if step >= CHECKPOINT + 2:
+                break
+            assert first.poll() is None and time.time() < deadline, "first attempt ended early"
+            time.sleep(0.2)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # launcher, its submitit controller, both ranks
+        first.wait()
+    for pid_file in (run_dir / "pids").glob("rank*.pid"):
+        try:
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    written_after_checkpoint = [n for n in os.listdir(buffer.root) if n.startswith("step")
+                                and int(n[4:12]) >= CHECKPOINT]
+    assert written_after_checkpoint, "the kill came before any experience past the checkpoint"
+
+    result = launch(*overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        log = next((run_dir / "logs").glob(f"*_{rank}_log.out"), None)
+        logs = "".join(p.read_text() for p in (run_dir / "logs").glob(f"*_{rank}_log.out"))
+        assert log is not None and f"checkpoints/step{CHECKPOINT:08d} ({CHECKPOINT} steps done)" in logs
+        summary = json.loads((run_dir / "metrics" / f"summary-rank{rank}.json").read_text())
+        assert summary["steps"] == SFT_STEPS + GRPO_STEPS
+
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(SFT_STEPS, SFT_STEPS + GRPO_STEPS)]
+    assert buffer.pending() == []
+    set_aside = os.listdir(run_dir / "buffer" / "rolled_back" / f"resume0-step{CHECKPOINT:08d}")
+    assert sorted(n.split(".")[0] for n in set_aside) == sorted(n.split(".")[0] for n in written_after_checkpoint)
+
+    scalars = tensorboard_scalars(str(run_dir))
+    assert sorted(s for s, _ in scalars["loss/policy"]) == list(range(1, SFT_STEPS + GRPO_STEPS + 1))
+    assert sorted(s for s, _ in scalars["timing/rollout_s"]) == list(range(SFT_STEPS + 1, SFT_STEPS + GRPO_STEPS + 1))
+    trainer_log = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in trainer_log] == list(range(1, SFT_STEPS + GRPO_STEPS + 1))

@@ -101,6 +101,34 @@ def init_trainer_group(info: RankInfo, timeout_s: float) -> None:
                             timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def engine_span(cfg: RFTConfig) -> int:
+    """Tasks one vLLM engine spans: on GPU nodes (one task per GPU) its TP size, so the engine's
+    workers use the GPUs of the tasks after its leader; elsewhere 1 (vLLM starts its TP workers
+    as processes of the one task)."""
+    return cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
+
+
+def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:
+    """A rollout task that only holds a GPU for the engine its group's first task runs."""
+    return info.role == "rollout" and info.role_rank % engine_span(cfg) != 0
+
+
+def control_members(cfg: RFTConfig, info: RankInfo) -> list[int]:
+    """Global ranks that run a loop and vote at each step: trainer ranks and engine leaders."""
+    span = engine_span(cfg)
+    return list(range(info.trainer_ranks)) + list(range(info.trainer_ranks, info.world_size, span))
+
+
+def engine_devices(cfg: RFTConfig) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine leader on a GPU node: its own GPU and its followers'
+    (LOCAL_RANK .. LOCAL_RANK + span - 1 of what the task sees); check_request keeps an engine
+    inside one node."""
+    span, local = engine_span(cfg), int(os.environ.get("LOCAL_RANK", "0"))
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(cfg.cluster.gpus_per_node)]
+    return ",".join(devices[local:local + span])
+
+
 def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
     """Weight-sync membership, identical on every rank.
 
@@ -112,8 +140,8 @@ def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
 
     per_stage = cfg.cluster.trainer_ranks // cfg.trainer.pipeline_parallel_size
     workers = cfg.rollout.tensor_parallel_size
-    receivers = [f"rollout rank {info.trainer_ranks + j} worker {w}"
-                 for j in range(info.rollout_ranks) for w in range(workers)]
+    receivers = [f"rollout rank {leader} worker {w}"
+                 for leader in control_members(cfg, info)[info.trainer_ranks:] for w in range(workers)]
     return SyncLayout(
         engine=sync_engine(cfg.sync, on_gpu), host=info.master_addr, port=info.weight_port,
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],

@@ -276,8 +276,16 @@ def validate(cfg: RFTConfig) -> None:
                               ("cluster.signal_delay_s", cfg.cluster.signal_delay_s, 0)):
         if value < least:
             config_error(key, value, f"must be >= {least}")
-    if cfg.cluster.rollout_ranks != 1:
-        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks, "one rollout rank for now")
+    rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
+    span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
+    if rtp >= 1 and cfg.cluster.rollout_ranks % span:
+        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
+                     f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
+                     "takes one task (one GPU) per TP rank")
+    if rtp >= 1 and cfg.cluster.rollout_ranks != span:
+        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
+                     f"one vLLM engine for now: {span} here (rollout.tensor_parallel_size on GPU nodes, "
+                     "1 where tasks have no GPU)")
     if cfg.model.dtype not in _DTYPES:
         config_error("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
     model_generated = cfg.model.tiny is not None

@@ -26,7 +26,13 @@ def _roll_back_buffer(cfg, info, done: int) -> None:
 
 def run_rank(config: dict, master_port: int) -> dict:
     """Entry point pickled by submitit; `config` is the resolved, validated config tree."""
-    from rft.cluster import init_trainer_group, rank_info_from_env
+    from rft.cluster import (
+        control_members,
+        engine_devices,
+        init_trainer_group,
+        is_engine_follower,
+        rank_info_from_env,
+    )
     from rft.config import RFTConfig
 
     cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
@@ -40,7 +46,7 @@ def run_rank(config: dict, master_port: int) -> dict:
     threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1))
     torch.set_num_threads(threads)
     from rft.checkpoint import newest_complete
-    from rft.preemption import ControlGroup, StopFlag
+    from rft.preemption import ControlGroup, StopFlag, hold_until_finished
 
     try:
         stop = StopFlag()
@@ -50,13 +56,20 @@ def run_rank(config: dict, master_port: int) -> dict:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
             if info.role == "rollout":
                 _roll_back_buffer(cfg, info, resume.done)
+        if is_engine_follower(cfg, info):
+            return hold_until_finished(info)
+        if info.role == "rollout" and cfg.cluster.gpus_per_node:
+            os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg)  # this group's GPUs, for vLLM
         # every rank meets here, so no trainer claims experience before the rollback above
-        control = ControlGroup(info, cfg.sync.timeout_s)
+        control = ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s)
         if info.role == "trainer":
             from rft.trainer.trainer import run_trainer
 
             init_trainer_group(info, cfg.sync.timeout_s)
-            return run_trainer(cfg, info, control, stop, resume)
+            summary = run_trainer(cfg, info, control, stop, resume)
+            if info.rank == 0:
+                control.finish()
+            return summary
         from rft.explorer.explorer import run_explorer
 
         return run_explorer(cfg, info, control, stop, resume)

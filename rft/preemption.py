@@ -64,12 +64,33 @@ class StopFlag:
 class ControlGroup:
     """One gloo group over every rank of the job, for the stop vote and barriers."""
 
-    def __init__(self, info: RankInfo, timeout_s: float):
+    def __init__(self, info: RankInfo, members: list[int], timeout_s: float):
         self.info, self.timeout = info, datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(info.master_addr, info.master_port + 2, None, is_master=info.rank == 0,
-                                   timeout=self.timeout, wait_for_workers=False)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), info.rank,
-                                        info.world_size, self.timeout)
+        self.store = _control_store(info, self.timeout)
+        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), members.index(info.rank),
+                                        len(members), self.timeout)
+
+    def finish(self) -> None:
+        """Rank 0 at the end of the run: releases the GPU-holding tasks (`hold_until_finished`)."""
+        self.store.set("rft-finished", "1")
+
+
+def _control_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
+    return dist.TCPStore(info.master_addr, info.master_port + 2, None, is_master=info.rank == 0,
+                         timeout=timeout, wait_for_workers=False)
+
+
+def hold_until_finished(info: RankInfo, poll_s: float = 5.0) -> dict:
+    """An engine follower's whole life: keep its GPU slot until rank 0 says the run is over or
+    its store is gone (rank 0 ended or failed; Slurm then ends the job)."""
+    print(f"rank {info.rank}: holds its GPU for the vLLM engine of this rollout group", flush=True)
+    try:
+        store = _control_store(info, datetime.timedelta(seconds=600))
+        while not store.check(["rft-finished"]):
+            time.sleep(poll_s)
+    except Exception:  # the store went away with rank 0
+        pass
+    return {"role": "engine follower", "rank": info.rank}
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""

@@ -59,6 +59,11 @@ def check_request(cfg: RFTConfig) -> None:
               f"{c.nodes} x {c.gpus_per_node}")
     if not c.gpus_per_node and world % c.nodes:
         config_error("cluster.nodes", c.nodes, f"must divide the {world} ranks (CPU nodes: ranks split evenly)")
+    span = cfg.rollout.tensor_parallel_size
+    if c.gpus_per_node and (c.gpus_per_node % span or c.trainer_ranks % span):
+        config_error("rollout.tensor_parallel_size", span,
+                     f"a vLLM engine must sit on one node: it must divide cluster.gpus_per_node "
+                     f"({c.gpus_per_node}) and cluster.trainer_ranks ({c.trainer_ranks})")
     if c.container_image and not os.path.exists(c.container_image):
         config_error("cluster.container_image", c.container_image,
               "no such file; build it with `apptainer build rft.sif containers/rft.def`")

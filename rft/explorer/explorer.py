@@ -20,7 +20,7 @@ import torch
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, save_rank_state
-from rft.cluster import RankInfo, sync_layout
+from rft.cluster import RankInfo, engine_span, sync_layout
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
@@ -126,7 +126,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
             if syncs_after_step(cfg, stage, global_step, step):
                 if not joined:  # the trainer opens the groups at its first sync, not before
                     engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
-                                                info.role_rank * cfg.rollout.tensor_parallel_size)
+                                                info.role_rank // engine_span(cfg) * cfg.rollout.tensor_parallel_size)
                     joined = True
                 scalars["timing/weight_apply_s"] = engine.receive_weights()
             totals["sync_wait_s"] += time.time() - t3

@@ -87,3 +87,50 @@ def test_bad_requests_name_the_key(tmp_path, change, key):
         setattr(cfg.cluster, k, v)
     with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("+", r"\+")):
         check_request(cfg)
+
+
+def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
+    """24 trainer GPUs + one vLLM engine with TP=8 on the 4th node: its first task runs the engine
+    on all 8 GPUs of that node, the other 7 only hold their GPU; the stop vote and the weight
+    groups include the leader only, once per TP worker."""
+    from rft.cluster import control_members, engine_devices, is_engine_follower, sync_layout
+
+    cfg = _gpu_profile(tmp_path)
+    cfg.rollout.tensor_parallel_size = 8
+    roles = {}
+    for procid in (0, 23, 24, 25, 31):
+        _slurm_env(monkeypatch, procid, procid // 8, procid % 8)
+        info = rank_info_from_env(cfg.cluster, master_port=0)
+        roles[procid] = "follower" if is_engine_follower(cfg, info) else info.role
+    assert roles == {0: "trainer", 23: "trainer", 24: "rollout", 25: "follower", 31: "follower"}
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2,3")  # whatever order Slurm gives
+    assert engine_devices(cfg) == "4,5,6,7,0,1,2,3"
+    assert control_members(cfg, info) == list(range(24)) + [24]
+    layout = sync_layout(cfg, info, on_gpu=True)
+    assert layout.receiver_names == [f"rollout rank 24 worker {w}" for w in range(8)]
+    assert layout.sender_ranks == [0]
+
+
+@pytest.mark.parametrize("rollout_tp, trainer_ranks, rollout_ranks, message", [
+    (3, 24, 8, "must be a multiple of rollout.tensor_parallel_size=3"),
+    (4, 24, 8, "one vLLM engine for now: 4 here"),
+])
+def test_rollout_tp_that_does_not_fit_its_ranks_names_the_key(tmp_path, rollout_tp, trainer_ranks, rollout_ranks,
+                                                              message):
+    from rft.config import validate
+
+    cfg = _gpu_profile(tmp_path)
+    cfg.rollout.tensor_parallel_size = rollout_tp
+    cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks = trainer_ranks, rollout_ranks
+    with pytest.raises(ValueError, match=f"cluster.rollout_ranks={rollout_ranks}.*{message}"):
+        validate(cfg)
+
+
+def test_an_engine_may_not_straddle_two_nodes(tmp_path):
+    cfg = _gpu_profile(tmp_path)
+    (tmp_path / "rft.sif").write_text("")
+    cfg.rollout.tensor_parallel_size = 8
+    cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks = 20, 12  # engine would start at GPU 4 of node 3
+    with pytest.raises(ValueError, match=r"rollout\.tensor_parallel_size=8 .*must divide cluster\.gpus_per_node"):
+        check_request(cfg)

@@ -62,13 +62,22 @@ class StopFlag:
 
 
 class ControlGroup:
-    """One gloo group over every rank of the job, for the stop vote and barriers."""
+    """One gloo group over the ranks that vote (trainer ranks, engine leaders): the stop vote, barriers."""
 
     def __init__(self, info: RankInfo, members: list[int], timeout_s: float):
         self.info, self.timeout = info, datetime.timedelta(seconds=timeout_s)
         self.store = _control_store(info, self.timeout)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), members.index(info.rank),
                                         len(members), self.timeout)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        opts.timeout = self.timeout
+        self.pg.allreduce([t], opts).wait(self.timeout)
+        return bool(t.item())
 
     def finish(self) -> None:
         """Rank 0 at the end of the run: releases the GPU-holding tasks (`hold_until_finished`)."""
@@ -92,14 +101,6 @@ def hold_until_finished(info: RankInfo, poll_s: float = 5.0) -> dict:
         pass
     return {"role": "engine follower", "rank": info.rank}
 
-    def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        opts.timeout = self.timeout
-        self.pg.allreduce([t], opts).wait(self.timeout)
-        return bool(t.item())
 
 
 def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: int, max_requeues: int) -> None:

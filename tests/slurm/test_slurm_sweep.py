@@ -35,3 +35,13 @@ def test_seed_sweep_is_one_array_with_a_dir_per_run(slurm, tmp_path):
     states = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State"],
                             capture_output=True, text=True, check=True).stdout.split()
     assert sorted(states) == [f"{array_id}_0|COMPLETED", f"{array_id}_1|COMPLETED"], states
+
+
+def test_a_sweep_over_the_job_shape_fails_before_submit(slurm, tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=slurm",
+         "cluster.cpus_per_task=1,2", f"hydra.sweep.dir={tmp_path}", "monitor.progress=false"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "cluster.cpus_per_task=2 is invalid" in result.stderr and "one Slurm array has one job shape" in result.stderr
+    assert "submitted" not in result.stdout

@@ -42,7 +42,7 @@ class StopFlag:
     def install(self) -> None:
         signal.signal(signal.SIGUSR2, self._on_usr2)
         previous = signal.signal(signal.SIGTERM, self._on_term)
-        if previous is not self._on_term:
+        if previous != self._on_term:  # installing twice must not chain the handler to itself
             self._previous_term = previous
 
     def ignore_in_children(self) -> None:
@@ -51,8 +51,7 @@ class StopFlag:
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
 
     def _on_usr2(self, signum, frame) -> None:
-        print("rft: got SIGUSR2 (time limit or preemption): stopping at the next step", flush=True)
-        self.requested = True
+        self.requested = True  # no print here: a handler that writes stdout mid-print raises
 
     def _on_term(self, signum, frame) -> None:
         if self.awaiting_requeue:  # Slurm is requeueing us; the checkpoint is complete
@@ -110,6 +109,7 @@ def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: i
 
     info = control.info
     job_id = os.environ.get("SLURM_JOB_ID")
+    print(f"rft: stop requested (SIGUSR2: time limit or preemption); saved at step {done}", flush=True)
     will_requeue, reason = False, ""
     if info.rank == 0:
         if job_id is None:

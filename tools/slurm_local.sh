@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # A real single-node Slurm on localhost, for CI and laptops: slurmctld + slurmd from Debian's
-# slurm-wlm, no munge (auth/none), state and logs under one directory.
+# slurm-wlm, no munge (auth/none), and job accounting (slurmdbd on a private MariaDB) so `sacct`
+# works; state, database and logs under one directory.
 #
-#   bash tools/slurm_local.sh install   # apt-get install slurm-wlm (root) if sbatch is missing
-#   bash tools/slurm_local.sh start     # write $RFT_SLURM_DIR/slurm.conf, start both daemons
+#   bash tools/slurm_local.sh install   # apt-get install slurm-wlm slurmdbd mariadb-server (root)
+#   bash tools/slurm_local.sh start     # write $RFT_SLURM_DIR/*.conf, start the daemons
 #   bash tools/slurm_local.sh stop      # stop them by their pid files
-#   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue need to find it
+#   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue/sacct need to find it
+#
+# Ports (override for a second instance): RFT_SLURMCTLD_PORT 6817, RFT_SLURMD_PORT 6818,
+# RFT_SLURMDBD_PORT 6819, RFT_SLURM_DB_PORT 3307 (MariaDB, 127.0.0.1 only).
+# RFT_SLURM_ACCOUNTING=0 starts without slurmdbd/MariaDB (sacct then says accounting is off).
 #
 # RFT_SLURM_DIR defaults to /tmp/rft-slurm. The node advertises RFT_SLURM_CPUS CPUs (default: this
 # machine's count, at least 4, so a 2-task job and a 2-job array fit; slurmd is told to accept
@@ -13,11 +18,55 @@
 set -euo pipefail
 DIR=${RFT_SLURM_DIR:-/tmp/rft-slurm}
 CPUS=${RFT_SLURM_CPUS:-$(( $(nproc) > 4 ? $(nproc) : 4 ))}
+DBD_PORT=${RFT_SLURMDBD_PORT:-6819}
+DB_PORT=${RFT_SLURM_DB_PORT:-3307}
+ACCOUNTING=${RFT_SLURM_ACCOUNTING:-1}
 
 install() {
-    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null; then return; fi
+    local want="slurm-wlm"
+    if [ "$ACCOUNTING" = 1 ]; then want="$want slurmdbd mariadb-server"; fi
+    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null \
+        && { [ "$ACCOUNTING" != 1 ] || { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; }; }; then
+        return
+    fi
     export DEBIAN_FRONTEND=noninteractive
-    apt-get install -y -q slurm-wlm >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q slurm-wlm >/dev/null; }
+    # shellcheck disable=SC2086
+    apt-get install -y -q $want >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $want >/dev/null; }
+}
+
+wait_for() {  # wait_for <what> <log> <command...>: up to 30 s
+    local what=$1 log=$2; shift 2
+    for _ in $(seq 150); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
+    echo "$what did not come up; see $log" >&2; exit 1
+}
+
+start_accounting() {
+    # a private MariaDB (TCP on 127.0.0.1 only: slurmdbd 22.05 has no socket option)
+    if [ ! -d "$DIR/mysql/mysql" ]; then
+        mariadb-install-db --no-defaults --user="$(id -un)" --datadir="$DIR/mysql" \
+            --auth-root-authentication-method=normal >"$DIR/log/mariadb-install.log" 2>&1 \
+            || { echo "mariadb-install-db failed; see $DIR/log/mariadb-install.log" >&2; exit 1; }
+    fi
+    if ! mariadb-admin --no-defaults -S "$DIR/mysql.sock" -u root ping >/dev/null 2>&1; then
+        setsid mariadbd --no-defaults --user="$(id -un)" --datadir="$DIR/mysql" --socket="$DIR/mysql.sock" \
+            --port="$DB_PORT" --bind-address=127.0.0.1 --pid-file="$DIR/mariadb.pid" \
+            --log-error="$DIR/log/mariadb.log" </dev/null >/dev/null 2>&1 &
+        wait_for MariaDB "$DIR/log/mariadb.log" mariadb-admin --no-defaults -S "$DIR/mysql.sock" -u root ping
+    fi
+    mariadb --no-defaults -S "$DIR/mysql.sock" -u root -e "CREATE DATABASE IF NOT EXISTS slurm_acct_db;
+        CREATE USER IF NOT EXISTS 'slurm'@'127.0.0.1' IDENTIFIED BY 'rft';
+        GRANT ALL ON slurm_acct_db.* TO 'slurm'@'127.0.0.1';"
+    printf '%s\n' "AuthType=auth/none" "DbdHost=localhost" "DbdPort=$DBD_PORT" "SlurmUser=$(id -un)" \
+        "PidFile=$DIR/slurmdbd.pid" "LogFile=$DIR/log/slurmdbd.log" "StorageType=accounting_storage/mysql" \
+        "StorageHost=127.0.0.1" "StoragePort=$DB_PORT" "StorageUser=slurm" "StoragePass=rft" \
+        "StorageLoc=slurm_acct_db" > "$DIR/slurmdbd.conf"
+    chmod 600 "$DIR/slurmdbd.conf"  # slurmdbd refuses a readable file that holds a password
+    # slurmdbd takes no config path: it reads slurmdbd.conf beside $SLURM_CONF
+    if ! { [ -f "$DIR/slurmdbd.pid" ] && kill -0 "$(cat "$DIR/slurmdbd.pid")" 2>/dev/null; }; then slurmdbd; fi
+    wait_for slurmdbd "$DIR/log/slurmdbd.log" sacctmgr -n list cluster
+    if ! sacctmgr -n -P list cluster format=cluster | grep -qx rftlocal; then
+        sacctmgr -i add cluster rftlocal >/dev/null
+    fi
 }
 
 start() {
@@ -46,14 +95,21 @@ SlurmdSpoolDir=$DIR/spool
 SlurmctldLogFile=$DIR/log/slurmctld.log
 SlurmdLogFile=$DIR/log/slurmd.log
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
+$(if [ "$ACCOUNTING" = 1 ]; then
+    printf 'AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=localhost\nAccountingStoragePort=%s\n' "$DBD_PORT"
+  else
+    echo "AccountingStorageType=accounting_storage/none"
+  fi)
 JobCompType=jobcomp/none
 KillWait=5
+# a requeued job may start again after the credential lifetime (default 120 s); tests requeue
+AuthInfo=cred_expire=10
 MinJobAge=300
 NodeName=localhost NodeHostname=localhost CPUs=$CPUS RealMemory=$mem State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF="$DIR/slurm.conf"
+    if [ "$ACCOUNTING" = 1 ]; then start_accounting; fi
     slurmctld -f "$SLURM_CONF"
     slurmd -f "$SLURM_CONF" -N localhost
     for _ in $(seq 100); do
@@ -64,7 +120,7 @@ EOF
     echo "Slurm did not come up; logs in $DIR/log" >&2; exit 1
 }
 
-stop() {
+stop_slurm() {
     for daemon in slurmd slurmctld; do
         if [ -f "$DIR/$daemon.pid" ]; then kill "$(cat "$DIR/$daemon.pid")" 2>/dev/null || true; fi
         # slurmd drops its pid file before it exits; find it by its config too
@@ -78,6 +134,26 @@ stop() {
         sleep 0.2
     done
     pkill -9 -f "^slurm(d|ctld) -f $DIR/slurm.conf|^slurmstepd:" 2>/dev/null || true
+}
+
+stop_accounting() {  # after slurmctld, which reports to slurmdbd until it stops
+    local dbd=""
+    if [ -f "$DIR/slurmdbd.pid" ]; then dbd=$(cat "$DIR/slurmdbd.pid"); kill "$dbd" 2>/dev/null || true; fi
+    if [ -S "$DIR/mysql.sock" ]; then
+        mariadb-admin --no-defaults -S "$DIR/mysql.sock" -u root shutdown 2>/dev/null || true
+    fi
+    for _ in $(seq 50); do
+        { [ -n "$dbd" ] && kill -0 "$dbd" 2>/dev/null; } || pgrep -f "^mariadbd .*--datadir=$DIR/mysql" >/dev/null \
+            || return 0
+        sleep 0.2
+    done
+    if [ -n "$dbd" ]; then kill -9 "$dbd" 2>/dev/null || true; fi
+    pkill -9 -f "^mariadbd .*--datadir=$DIR/mysql" 2>/dev/null || true
+}
+
+stop() {
+    stop_slurm
+    stop_accounting
 }
 
 "${1:-start}"

@@ -1,4 +1,5 @@
-"""A real single-node Slurm (slurmctld + slurmd from Debian's slurm-wlm) for the tests here.
+"""A real single-node Slurm (slurmctld + slurmd from Debian's slurm-wlm, slurmdbd on a private
+MariaDB for sacct) for the tests here.
 
 Started once per session by tools/slurm_local.sh (installing slurm-wlm first when running as root,
 as CI does), stopped at the end if this session started it.
@@ -21,10 +22,10 @@ def _answers() -> bool:
 
 @pytest.fixture(scope="session")
 def slurm():
-    if shutil.which("slurmctld") is None:
+    if any(shutil.which(daemon) is None for daemon in ("slurmctld", "slurmdbd", "mariadbd")):
         if os.geteuid() != 0:
-            pytest.skip("slurm-wlm is not installed and installing it needs root: "
-                        "`sudo bash tools/slurm_local.sh install`")
+            pytest.skip("slurm-wlm, slurmdbd or mariadb-server is not installed and installing needs "
+                        "root: `sudo bash tools/slurm_local.sh install`")
         subprocess.run(["bash", SCRIPT, "install"], check=True)
     os.environ["SLURM_CONF"] = os.path.join(SLURM_DIR, "slurm.conf")
     started = False

@@ -5,7 +5,8 @@
 #
 #   bash tools/slurm_local.sh install   # apt-get install slurm-wlm slurmdbd mariadb-server (root)
 #   bash tools/slurm_local.sh start     # write $RFT_SLURM_DIR/*.conf, start the daemons
-#   bash tools/slurm_local.sh stop      # stop them by their pid files
+#   bash tools/slurm_local.sh stop      # cancel its jobs, stop its daemons and job steps: only
+#                                       # those of this $RFT_SLURM_DIR, another instance runs on
 #   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue/sacct need to find it
 #
 # Ports (override for a second instance): RFT_SLURMCTLD_PORT 6817, RFT_SLURMD_PORT 6818,
@@ -120,35 +121,69 @@ EOF
     echo "Slurm did not come up; logs in $DIR/log" >&2; exit 1
 }
 
-stop_slurm() {
-    for daemon in slurmd slurmctld; do
-        if [ -f "$DIR/$daemon.pid" ]; then kill "$(cat "$DIR/$daemon.pid")" 2>/dev/null || true; fi
-        # slurmd drops its pid file before it exits; find it by its config too
-        pkill -f "^$daemon -f $DIR/slurm.conf" 2>/dev/null || true
+ours() {  # ours <process name>: pids of those started for this $DIR, found by their environment.
+    # start exports SLURM_CONF=$DIR/slurm.conf before launching every daemon, and slurmd passes it
+    # on to slurmstepd. Nothing else safely tells them apart from another instance's on the same
+    # machine (a second RFT_SLURM_DIR, e.g. someone else's tests): a stepd is re-parented to init
+    # and named "slurmstepd: [job.step]", slurmdbd's command line names no config, and a pid file
+    # left by a crash may name a pid since reused by anyone.
+    local p
+    for p in $(pgrep -x "$1"); do  # (a zombie has no environment left: not counted)
+        grep -qsxzF "SLURM_CONF=$DIR/slurm.conf" "/proc/$p/environ" && echo "$p"
     done
-    # a step cancelled just before the controller stopped keeps retrying to report to it and
-    # holds slurmd, ignoring SIGTERM; on this single-node test cluster every step is ours
-    pkill -f '^slurmstepd:' 2>/dev/null || true
-    for _ in $(seq 25); do
-        pgrep -f "^slurm(d|ctld) -f $DIR/slurm.conf|^slurmstepd:" >/dev/null || return 0
+    return 0
+}
+
+any_ours() {  # any_ours <process name>...: is one of ours still running?
+    local name
+    for name in "$@"; do [ -n "$(ours "$name")" ] && return 0; done
+    return 1
+}
+
+signal_ours() {  # signal_ours <signal> <process name>...
+    local sig=$1 name pids; shift
+    for name in "$@"; do
+        pids=$(ours "$name")
+        # shellcheck disable=SC2086
+        if [ -n "$pids" ]; then kill "-$sig" $pids 2>/dev/null || true; fi
+    done
+}
+
+wait_gone() {  # wait_gone <process name>...: up to 5 s; fails if one of ours is still there
+    for _ in $(seq 25); do any_ours "$@" || return 0; sleep 0.2; done
+    return 1
+}
+
+cancel_jobs() {  # while slurmctld answers: cancel this cluster's jobs and wait (KillWait 5 s) for
+    # their steps to end the jobs' processes; a stepd killed instead would leave them orphaned
+    local jobs
+    any_ours slurmctld || return 0  # (squeue would retry an absent controller for 10 s)
+    export SLURM_CONF="$DIR/slurm.conf"
+    jobs=$(timeout 10 squeue -h -o %A 2>/dev/null) || return 0
+    if [ -z "$jobs" ]; then return 0; fi
+    # shellcheck disable=SC2086
+    timeout 10 scancel $jobs 2>/dev/null || true
+    for _ in $(seq 50); do
+        [ -z "$(timeout 10 squeue -h -o %A 2>/dev/null)" ] && return 0
         sleep 0.2
     done
-    pkill -9 -f "^slurm(d|ctld) -f $DIR/slurm.conf|^slurmstepd:" 2>/dev/null || true
+}
+
+stop_slurm() {
+    if [ -f "$DIR/slurm.conf" ]; then cancel_jobs; fi
+    # SIGTERM to slurmstepd too: a step cancelled just before the controller stopped keeps
+    # retrying to report to it and holds slurmd, ignoring SIGTERM; then SIGKILL after 5 s
+    signal_ours TERM slurmd slurmctld slurmstepd
+    wait_gone slurmd slurmctld slurmstepd || signal_ours KILL slurmd slurmctld slurmstepd
 }
 
 stop_accounting() {  # after slurmctld, which reports to slurmdbd until it stops
-    local dbd=""
-    if [ -f "$DIR/slurmdbd.pid" ]; then dbd=$(cat "$DIR/slurmdbd.pid"); kill "$dbd" 2>/dev/null || true; fi
-    if [ -S "$DIR/mysql.sock" ]; then
+    signal_ours TERM slurmdbd
+    if [ -S "$DIR/mysql.sock" ]; then  # a clean shutdown, so the next start needs no recovery
         mariadb-admin --no-defaults -S "$DIR/mysql.sock" -u root shutdown 2>/dev/null || true
     fi
-    for _ in $(seq 50); do
-        { [ -n "$dbd" ] && kill -0 "$dbd" 2>/dev/null; } || pgrep -f "^mariadbd .*--datadir=$DIR/mysql" >/dev/null \
-            || return 0
-        sleep 0.2
-    done
-    if [ -n "$dbd" ]; then kill -9 "$dbd" 2>/dev/null || true; fi
-    pkill -9 -f "^mariadbd .*--datadir=$DIR/mysql" 2>/dev/null || true
+    wait_gone slurmdbd mariadbd || { signal_ours TERM mariadbd; wait_gone slurmdbd mariadbd; } \
+        || signal_ours KILL slurmdbd mariadbd
 }
 
 stop() {

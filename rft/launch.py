@@ -89,7 +89,7 @@ def _resolved_config(cfg: RFTConfig) -> dict:
 def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
     from rft.monitor import write_json_atomic
-    from rft.report import build_summary, console, print_summary, slurm_job_alive, watch
+    from rft.report import build_summary, console, print_summary, slurm_job_alive, wait_until_gone, watch
 
     world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
     on_slurm = cfg.cluster.kind == "slurm"
@@ -104,6 +104,8 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
         return 1
+    if on_slurm and not wait_until_gone(job.job_id):
+        console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
     summary = build_summary(cfg.run.output_dir, world)
     write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
     print_summary(summary)

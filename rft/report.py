@@ -87,6 +87,20 @@ def slurm_job_alive(job_id: str) -> Callable[[int], bool | None]:
     return alive
 
 
+def wait_until_gone(job_id: str, timeout_s: float = 120.0) -> bool:
+    """After the ranks returned: wait until Slurm has finished the job too (its epilogue, the
+    accounting record), so `cluster.wait=true` exits when `sacct` shows the job ended."""
+    import subprocess
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
+        if (out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr:
+            return True
+        time.sleep(1.0)
+    return False
+
+
 def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
                  alive: Callable[[int], bool | None] | None = None) -> RankFailure | None:
     """A rank that raised (submitit's result pickle says error) or whose process vanished."""

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e"))
 from helpers import REPO  # noqa: E402
@@ -32,8 +33,13 @@ def test_seed_sweep_is_one_array_with_a_dir_per_run(slurm, tmp_path):
         # array task <index> ran this run's ranks
         assert "rank 0/2: trainer" in (sweep_dir / "logs" / f"{array_id}_{index}_0_log.out").read_text()
 
-    states = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State"],
-                            capture_output=True, text=True, check=True).stdout.split()
+    # the launcher returned once Slurm no longer lists the jobs; slurmdbd records them just after
+    for _ in range(30):
+        states = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State"],
+                                capture_output=True, text=True, check=True).stdout.split()
+        if all("|COMPLETED" in s for s in states):
+            break
+        time.sleep(1)
     assert sorted(states) == [f"{array_id}_0|COMPLETED", f"{array_id}_1|COMPLETED"], states
 
 

@@ -60,11 +60,28 @@ class DataConfig:
 
 @dataclass
 class AlgorithmConfig:
-    name: str = "grpo"  # grpo | sft
+    """What a step computes. Presets: conf/algorithm/<name>.yaml (`algorithm=dapo`); the registry
+    keys (advantage, policy_loss, kl_estimator, loss_agg, sample_filter) take a built-in name or a
+    dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
+
+    name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (rft/algorithms/advantages.py)
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | sft (rft/algorithms/policy_losses.py); sft: no rollouts
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
+    sample_filter: str = "none"  # none | zero_variance (DAPO dynamic sampling; the explorer refills)
     group_size: int = 8  # samples per task (GRPO group)
-    clip_eps: float = 0.2  # PPO ratio clip
+    clip_eps: float = 0.2  # PPO ratio clip (lower side)
+    clip_eps_high: Optional[float] = None  # upper side (DAPO clip-higher); None: clip_eps
+    dual_clip_c: Optional[float] = None  # dual-clip bound for negative advantages (e.g. 3.0); None: off
+    cispo_clip_high: float = 0.28  # CISPO: IS weight capped at 1 + this
+    tis_cap: Optional[float] = None  # truncated IS between trainer and vLLM logprobs (e.g. 2.0); None: off
     norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
-    kl_coef: float = 0.0  # weight of the k3 KL to a frozen reference model (0: no reference)
+    gamma: float = 1.0  # discount (reinforce_pp, gae)
+    lam: float = 1.0  # GAE lambda
+    kl_coef: float = 0.0  # weight of the KL to a frozen reference model (0: no reference)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (rft/algorithms/kl.py)
+    kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
     entropy_coef: float = 0.0  # entropy bonus weight
     reward: str = "exact_match"  # exact_match | math_verify
     lr: float = 1e-5  # AdamW learning rate
@@ -86,6 +103,7 @@ class RolloutConfig:
     tensor_parallel_size: int = 1  # vLLM TP per engine
     max_num_seqs: int = 256  # vLLM scheduler batch limit
     reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
+    max_sampling_rounds: int = 3  # dynamic sampling (algorithm.sample_filter): generation rounds per step
 
 
 @dataclass
@@ -211,7 +229,6 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
     return resolved
 
 
-_ALGORITHMS = ("grpo", "sft")
 _REWARDS = ("exact_match", "math_verify")
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -264,6 +281,37 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
         config_error("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
 
 
+def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
+    """Every registry key names a built-in or a dotted path whose signature fits (checked here,
+    before launch, so a typo fails on the login node)."""
+    from rft.algorithms import registries
+
+    for key, registry in registries().items():
+        try:
+            registry.resolve(getattr(algo, key))
+        except ValueError as err:
+            config_error(f"{prefix}algorithm.{key}", getattr(algo, key), str(err))
+    if algo.advantage == "gae":
+        config_error(f"{prefix}algorithm.advantage", algo.advantage,
+                     "GAE needs a critic (PPO's value model), which is not built yet; use grpo, dr_grpo, "
+                     "rloo or reinforce_pp")
+    if algo.name == "sft" and algo.policy_loss != "sft":
+        config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
+                     "algorithm.name=sft trains on reference answers: set algorithm.policy_loss=sft too")
+    if algo.kl_mode not in ("loss", "reward"):
+        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode, "use loss or reward")
+    if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
+        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode,
+                     f"advantage {algo.advantage} scores whole responses; a per-token KL reward needs "
+                     "advantage=reinforce_pp or gae (or kl_mode=loss)")
+    if algo.clip_eps_high is not None and algo.clip_eps_high <= 0:
+        config_error(f"{prefix}algorithm.clip_eps_high", algo.clip_eps_high, "use a positive value, e.g. 0.28")
+    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
+        config_error(f"{prefix}algorithm.dual_clip_c", algo.dual_clip_c, "must be > 1, e.g. 3.0")
+    if algo.tis_cap is not None and algo.tis_cap <= 0:
+        config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
+
+
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
@@ -303,13 +351,12 @@ def validate(cfg: RFTConfig) -> None:
                                                    "set it to a .jsonl path")
         _check_file(f"{prefix}data.train_path", data.train_path, generated)
         _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
-        if algo.name not in _ALGORITHMS:
-            config_error(f"{prefix}algorithm.name", algo.name, f"choose one of {_ALGORITHMS}")
+        _check_algorithm(prefix, algo)
         if algo.reward not in _REWARDS:
             config_error(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
-        if algo.name == "grpo" and algo.group_size < 2:
+        if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
             config_error(f"{prefix}algorithm.group_size", algo.group_size,
-                  "GRPO normalises within a group; use 2 or more samples per task")
+                  f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")
         if not 0 < algo.clip_eps < 1:
             config_error(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
         if algo.lr <= 0:
@@ -327,6 +374,8 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}trainer.pipeline_parallel_size", pp,
                   f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} must divide "
                   f"cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
+        if rollout.max_sampling_rounds < 1:
+            config_error(f"{prefix}rollout.max_sampling_rounds", rollout.max_sampling_rounds, "use 1 or more")
         if rollout.tasks_per_step < 1:
             config_error(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
         if rollout.max_new_tokens < 1:
@@ -365,7 +414,7 @@ def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:
 
 def needs_rollouts(stage: RFTConfig) -> bool:
     """Whether a stage learns from the explorer's rollouts (else it trains from a dataset)."""
-    return stage.algorithm.name != "sft"
+    return stage.algorithm.policy_loss != "sft"
 
 
 def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) -> bool:

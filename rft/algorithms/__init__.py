@@ -1,1 +1,18 @@
-"""algorithms package."""
+"""The algorithm zoo: registries of advantage estimators, policy losses, KL estimators, loss
+aggregations and sample filters (one module each); `registries()` maps AlgorithmConfig keys to them."""
+
+from __future__ import annotations
+
+from rft.algorithms.registry import Registry
+
+
+def registries() -> dict[str, Registry]:
+    """AlgorithmConfig key -> the registry its value is looked up in."""
+    from rft.algorithms.advantages import ADVANTAGES
+    from rft.algorithms.aggregation import AGGREGATIONS
+    from rft.algorithms.filters import SAMPLE_FILTERS
+    from rft.algorithms.kl import KL_ESTIMATORS
+    from rft.algorithms.policy_losses import POLICY_LOSSES
+
+    return {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "kl_estimator": KL_ESTIMATORS,
+            "loss_agg": AGGREGATIONS, "sample_filter": SAMPLE_FILTERS}

@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, save_rank_state
@@ -24,7 +25,7 @@ from rft.cluster import RankInfo, engine_span, sync_layout
 from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
-from rft.explorer.workflow import evaluate, run_single_turn
+from rft.explorer.workflow import evaluate, run_filtered, run_single_turn
 from rft.monitor import Monitor, append_jsonl, drop_from_step, eval_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 
@@ -95,10 +96,17 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
                 scalars = {}
                 if cursor is not None:
                     t0 = time.time()
-                    rows = run_single_turn(engine, cursor.next_batch(rollout.tasks_per_step), algo.group_size,
-                                           scorer, rollout.max_new_tokens, rollout.temperature, rollout.top_p,
-                                           list(rollout.stop), cfg.seed * 10**9 + global_step * 10**5,
-                                           cfg.model.chat_template)
+
+                    def generate(num_tasks: int, round_index: int) -> dict[str, list]:
+                        return run_single_turn(engine, cursor.next_batch(num_tasks), algo.group_size, scorer,
+                                               rollout.max_new_tokens, rollout.temperature, rollout.top_p,
+                                               list(rollout.stop),
+                                               cfg.seed * 10**9 + global_step * 10**5 + round_index * 10**4,
+                                               cfg.model.chat_template)
+
+                    rows, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
+                                                      rollout.tasks_per_step, algo.group_size,
+                                                      rollout.max_sampling_rounds)
                     t1 = time.time()
                     buffer.write(rows, step=global_step, producer=info.rank, version=engine.version)
                     t2 = time.time()
@@ -107,7 +115,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
                     totals["buffer_s"] += t2 - t1
                     scalars = {"timing/rollout_s": t1 - t0, "timing/buffer_write_s": t2 - t1,
                                "perf/tokens_per_s": generated / max(t1 - t0, 1e-9),
-                               "rollout/reward_errors": scorer.errors + scorer.timeouts}
+                               "rollout/reward_errors": scorer.errors + scorer.timeouts, **filter_stats}
                 global_step += 1
                 # the control point, in step with the trainer's (rft/preemption.py)
                 stopping = control.any(stop.requested)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from rft.buffer.taskset import Task
 from rft.explorer.prompts import format_prompt
 from rft.explorer.rewards import RewardScorer
@@ -25,6 +27,40 @@ def run_single_turn(engine: RolloutEngine, tasks: list[Task], n: int, scorer: Re
         "reward": rewards,
         "finished": [s.finished for s in samples],
     }
+
+
+def keep_groups(rows: dict[str, list], keep: list[bool]) -> dict[str, list]:
+    """The rows whose entry in `keep` is True (a filter keeps or drops whole groups)."""
+    return {k: [v for v, kept in zip(values, keep) if kept] for k, values in rows.items()}
+
+
+def run_filtered(generate: Callable[[int, int], dict[str, list]], sample_filter: Callable, tasks: int,
+                 group_size: int, max_rounds: int) -> tuple[dict[str, list], dict[str, float]]:
+    """Dynamic sampling (DAPO): generate `tasks` groups, drop those the filter rejects (e.g. all
+    rewards equal: zero advantage, nothing to learn), and generate more until `tasks` groups are
+    kept or `max_rounds` rounds ran. `generate(num_tasks, round)` returns experience columns.
+    Returns at most `tasks` groups (fewer if rounds ran out; all of the first round if none kept)
+    and counts for the log."""
+    import torch
+
+    kept: dict[str, list] | None = None
+    first = None
+    generated = 0
+    for round_index in range(max_rounds):
+        missing = tasks - (len(kept["reward"]) // group_size if kept else 0)
+        if missing <= 0:
+            break
+        rows = generate(missing, round_index)
+        first = first or rows
+        generated += missing
+        mask = sample_filter(torch.tensor(rows["reward"], dtype=torch.float32), group_size).tolist()
+        rows = keep_groups(rows, mask)
+        kept = rows if kept is None else {k: kept[k] + rows[k] for k in kept}
+    if not kept["reward"]:  # nothing passed: train on the first round (zero advantages) rather than stall
+        kept = first
+    stats = {"rollout/groups_generated": float(generated),
+             "rollout/groups_kept": float(len(kept["reward"]) // group_size)}
+    return kept, stats
 
 
 def evaluate(engine: RolloutEngine, tasks: list[Task], scorer: RewardScorer, max_new_tokens: int,

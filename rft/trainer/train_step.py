@@ -1,19 +1,26 @@
-"""One optimizer step: GRPO on a batch of experience, or SFT on reference answers.
+"""One optimizer step: a policy-gradient loss on a batch of experience, or SFT on reference answers.
 
 Both share the same shape: split the rows over data-parallel ranks, run microbatches (through the
-pipeline stages, rft/trainer/pipeline.py), scale each microbatch's token-sum loss by the global
-token count (so the result is the token-mean over the whole batch on every DP layout), all-reduce
-gradients, clip, step.
+pipeline stages, rft/trainer/pipeline.py), let the loss aggregation turn each microbatch's
+per-token losses into its share of the batch loss (counts over the whole batch, so every DP and
+microbatch layout gives the same loss), all-reduce gradients, clip, step. What the loss is comes
+from the algorithm registries (rft/algorithms/): advantage estimator (over the whole batch, before
+the split), policy loss, KL to a frozen reference (loss term or reward penalty), entropy bonus,
+aggregation, and truncated importance sampling against vLLM's logprobs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
-from rft.algorithms.grpo import k3_kl, masked_mean, policy_loss, sft_loss
+from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs
+from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
+from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
+from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
@@ -22,12 +29,14 @@ from rft.weights.hf_megatron import tp_split_dim
 
 @dataclass
 class StepBatch:
-    """Rows this step trains on. `advantages` and `old_logprobs` are None for SFT."""
+    """Rows this step trains on (groups of `group_size` contiguous rows). `rewards` and
+    `old_logprobs` (vLLM's, per response token) are None for SFT."""
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
-    advantages: list[float] | None = None
+    rewards: list[float] | None = None
     old_logprobs: list[list[float]] | None = None
+    group_size: int = 1
 
 
 def _dp():
@@ -73,15 +82,45 @@ def grad_norm_and_clip(model, max_norm: float) -> float:
     return norm
 
 
-def _old_logprobs(batch: StepBatch, idx: list[int], like: torch.Tensor) -> torch.Tensor:
-    """vLLM's logprobs (aligned to response tokens) placed at the response targets of a microbatch."""
+def _place(batch: StepBatch, idx: list[int], per_response: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Response-aligned values [B, T_resp] (row i = batch row i) at the response targets of a
+    microbatch of rows `idx` (packed prompt + response, targets shifted by one)."""
     width = like.shape[1]
-    old = torch.zeros_like(like)
+    out = torch.zeros_like(like)
     for row, i in enumerate(idx):
-        p = len(batch.prompt_ids[i])
-        resp = batch.old_logprobs[i]
-        old[row, p - 1: p - 1 + len(resp)] = torch.tensor(resp[: width - p + 1])
-    return old
+        p, n = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+        out[row, p - 1: p - 1 + n] = per_response[i, : min(n, width - p + 1)].to(like)
+    return out
+
+
+def _response_part(batch: StepBatch, idx: list[int], packed: torch.Tensor, out: torch.Tensor) -> None:
+    """The inverse of `_place`: copy a microbatch's response-target values into rows of `out`."""
+    for row, i in enumerate(idx):
+        p, n = len(batch.prompt_ids[i]), len(batch.response_ids[i])
+        out[i, :n] = packed[row, p - 1: p - 1 + n]
+
+
+def _response_tensors(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask, vLLM logprobs), both [B, longest response], response-aligned."""
+    width = max((len(r) for r in batch.response_ids), default=0)
+    mask = torch.zeros(len(batch.response_ids), width)
+    for i, r in enumerate(batch.response_ids):
+        mask[i, : len(r)] = 1.0
+    return mask, _pad_rows(batch.old_logprobs, width)
+
+
+def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logprobs: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """Token advantages [B, T_resp] over the whole batch (batch-normalising estimators such as
+    REINFORCE++ need every row); with `kl_mode=reward` the KL to the reference is a per-token
+    reward penalty, measured on vLLM's (behaviour) logprobs."""
+    mask, old = _response_tensors(batch)
+    token_rewards = None
+    if ref_response_logprobs is not None:
+        token_rewards = kl_penalty_rewards(old, ref_response_logprobs, mask, algo.kl_estimator, algo.kl_coef)
+    inputs = AdvantageInputs(rewards=torch.tensor(batch.rewards, dtype=torch.float32), group_size=batch.group_size,
+                             mask=mask, token_rewards=token_rewards)
+    return ADVANTAGES.resolve(algo.advantage)(inputs, algo).advantages
 
 
 def _sync_grads(model) -> None:
@@ -104,49 +143,82 @@ def _sync_grads(model) -> None:
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
+def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) -> tuple[float, float]:
+    """Response tokens and non-empty responses of the whole batch (summed over DP ranks)."""
+    counts = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows)),
+                           float(sum(1 for i in rows if batch.response_ids[i]))])
+    if dp_size > 1:
+        dist.all_reduce(counts, group=dp_group)
+    return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
+
+
 def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
-               pad_id: int, ref_model=None) -> dict[str, float]:
-    """Forward/backward over microbatches (pipelined when PP > 1), then one optimizer step."""
+               pad_id: int, ref_model=None, norm_len: int = 1) -> dict[str, float]:
+    """Forward/backward over microbatches (pipelined when PP > 1), then one optimizer step.
+    `norm_len` is the constant of the seq-mean-token-sum-norm aggregation (max response length)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp_group = _dp()
     rows = list(range(dp_rank, len(batch.prompt_ids), dp_size))
     device = next(model.parameters()).device
-    global_tokens = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows))])
-    if dp_size > 1:
-        dist.all_reduce(global_tokens, group=dp_group)
-    denom = float(global_tokens.clamp(min=1))
-    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0}
-    is_rl = batch.advantages is not None
+    num_tokens, num_seqs = _global_counts(batch, rows, dp_group, dp_size)
+    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0, "actor/is_weight": 0.0}
+    is_rl = batch.rewards is not None
     chunks = [rows[s: s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
-    mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                           pad_id, device) for idx in chunks]
-    use_kl = is_rl and ref_model is not None and algo.kl_coef > 0
-    ref_logprobs = forward_logprobs_pipelined(ref_model, mbs) if use_kl else None
+
+    def pack(idx_chunks):
+        return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
+                                pad_id, device) for idx in idx_chunks]
+
+    mbs = pack(chunks)
+    policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
+    aggregate = AGGREGATIONS.resolve(algo.loss_agg)
+    use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
+    kl_in_loss = use_ref and algo.kl_mode == "loss"
+    ref_logprobs = forward_logprobs_pipelined(ref_model, mbs) if kl_in_loss else None
+    last_stage = ps.is_pipeline_last_stage()
+    advantages = rollout_old = trainer_old = None
+    if is_rl and last_stage:
+        ref_response = None
+        if use_ref and algo.kl_mode == "reward":
+            # the penalty enters batch-wide advantages: every row's reference logprobs are needed
+            all_rows = list(range(len(batch.prompt_ids)))
+            all_chunks = [all_rows[s: s + micro_batch_size] for s in range(0, len(all_rows), micro_batch_size)]
+            ref_response = torch.zeros(len(all_rows), max(len(r) for r in batch.response_ids))
+            for idx, lp in zip(all_chunks, forward_logprobs_pipelined(ref_model, pack(all_chunks))):
+                _response_part(batch, idx, lp.float().cpu(), ref_response)
+        advantages = batch_advantages(batch, algo, ref_response)
+        rollout_old = _response_tensors(batch)[1]
+    if is_rl and algo.tis_cap is not None:
+        with torch.no_grad():  # the trainer's own logprobs before the update: the PPO ratio's base
+            trainer_old = forward_logprobs_pipelined(model, mbs)
 
     def loss_fn(m: int, mb: Microbatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         mask = mb.loss_mask
         tokens = mask.sum().item()
+        view = SimpleNamespace(**asdict(algo))
         if is_rl:
-            adv = torch.tensor([batch.advantages[i] for i in chunks[m]], device=device)
-            pl, clipfrac = policy_loss(logprobs, _old_logprobs(batch, chunks[m], logprobs), adv, mask,
-                                       algo.clip_eps)
-            loss = pl
-            if use_kl:
-                kl = masked_mean(k3_kl(logprobs, ref_logprobs[m]), mask)
-                loss = loss + algo.kl_coef * kl
-                sums["loss/kl"] += kl.item() * tokens
-            sums["actor/clipfrac"] += clipfrac.item() * tokens
+            old = _place(batch, chunks[m], rollout_old, logprobs)
+            adv = _place(batch, chunks[m], advantages, logprobs)
+            if trainer_old is not None:
+                view.is_weights = truncated_is_weights(trainer_old[m], old, algo.tis_cap, mask)
+                sums["actor/is_weight"] += masked_token_mean(view.is_weights, mask).item() * tokens
+                old = trainer_old[m]
         else:
-            pl = sft_loss(logprobs, mask)
-            loss = pl
-        ent = masked_mean(entropy, mask)
-        if algo.entropy_coef:
-            loss = loss - algo.entropy_coef * ent
-        sums["loss/policy"] += pl.item() * tokens
-        sums["actor/entropy"] += ent.item() * tokens
-        # token-sum of this microbatch over the global token count = its share of the token-mean
-        return loss * tokens / denom
+            old = adv = torch.zeros_like(logprobs)
+        per_token, metrics = policy_loss(logprobs, old, adv, mask, view)
+        sums["loss/policy"] += masked_token_mean(per_token, mask).item() * tokens
+        if "clipfrac" in metrics:
+            sums["actor/clipfrac"] += float(metrics["clipfrac"]) * tokens
+        if kl_in_loss:
+            kl = KL_ESTIMATORS.resolve(algo.kl_estimator)(logprobs, ref_logprobs[m])
+            per_token = per_token + algo.kl_coef * kl
+            sums["loss/kl"] += masked_token_mean(kl, mask).item() * tokens
+        if entropy is not None:
+            sums["actor/entropy"] += masked_token_mean(entropy, mask).item() * tokens
+            if algo.entropy_coef:
+                per_token = per_token - algo.entropy_coef * entropy
+        return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
     model.train()
     optimizer.zero_grad(set_to_none=True)
@@ -160,9 +232,11 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
     sums = dict(zip(sums, stats.tolist()))
     grad_norm = grad_norm_and_clip(model, algo.grad_clip)
     optimizer.step()
-    metrics = {k: v / denom for k, v in sums.items()}
+    metrics = {k: v / num_tokens for k, v in sums.items()}
+    if trainer_old is None:
+        del metrics["actor/is_weight"]
     metrics["actor/grad_norm"] = grad_norm
-    metrics["train/tokens"] = denom
+    metrics["train/tokens"] = num_tokens
     if not is_rl:
         metrics["loss/sft"] = metrics["loss/policy"]
     return metrics

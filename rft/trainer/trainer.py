@@ -15,7 +15,6 @@ import time
 import torch
 import torch.distributed as dist
 
-from rft.algorithms.grpo import group_advantages
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, prune, save_rank_state, set_rng_state
@@ -30,13 +29,14 @@ from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
 from rft.weights.engines import make_sender
 
 
-def experience_batch(table, group_size: int, norm_by_std: bool) -> tuple[StepBatch, dict[str, float]]:
-    """A GRPO batch (group-normalised advantages) and reward/length statistics from a shard."""
+def experience_batch(table, group_size: int) -> tuple[StepBatch, dict[str, float]]:
+    """A policy-gradient batch (advantages are computed in the step) and reward/length
+    statistics from a shard."""
     rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
     responses = table.column("response_ids").to_pylist()
     batch = StepBatch(prompt_ids=table.column("prompt_ids").to_pylist(), response_ids=responses,
-                      advantages=group_advantages(rewards, group_size, norm_by_std).tolist(),
-                      old_logprobs=table.column("response_logprobs").to_pylist())
+                      rewards=rewards.tolist(), old_logprobs=table.column("response_logprobs").to_pylist(),
+                      group_size=group_size)
     lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
     stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
              "response_length/mean": float(lengths.mean())}
@@ -192,7 +192,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                 if cursor is None:
                     table, waited, io_s = reader.next_table()
                     t1 = time.time()  # preparing the batch counts as training
-                    batch, scalars = experience_batch(table, algo.group_size, algo.norm_adv_by_std)
+                    batch, scalars = experience_batch(table, algo.group_size)
                     scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
                     scalars["timing/wait_s"] = waited
                     totals["wait_s"] += waited
@@ -200,7 +200,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                     t1, io_s = time.time(), 0.0
                     batch = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
                 metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id,
-                                     ref_model)
+                                     ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens)
                 scheduler.step()
                 t2 = time.time()
                 io_s += reader.commit()

@@ -1,0 +1,42 @@
+"""Each RL preset trains for real on the tiny quickstart model: a short SFT warm-up (so some
+groups have reward variance), then 3 steps of the preset. Run as one local sweep (`-m`), which also
+exercises sweeps on cluster=local: runs one after another, one output dir each."""
+
+import json
+import math
+import subprocess
+import sys
+
+from tests.e2e.helpers import REPO
+
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"]
+STEPS = 3
+STAGES = ("stages=[{name:sft,algorithm:{name:sft,policy_loss:sft,lr:3.0e-3,warmup_steps:20},"
+          "trainer:{max_steps:300,sft_batch_size:64}},{name:rl,trainer:{max_steps:%d}}]" % STEPS)
+
+
+def test_every_rl_preset_runs_three_steps_with_finite_losses(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=local",
+         f"algorithm={','.join(PRESETS)}", STAGES, "rollout.tasks_per_step=16", "monitor.progress=false",
+         f"hydra.sweep.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for index, preset in enumerate(PRESETS):
+        run_dir = tmp_path / str(index)
+        assert f"name: {preset}\n" in (run_dir / "config.yaml").read_text()
+        rows = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
+        rl = [r for r in rows if r["stage"] == "rl"]
+        assert len(rl) == STEPS, preset
+        for row in rl:
+            for key in ("loss/policy", "actor/grad_norm", "actor/entropy"):
+                assert math.isfinite(row[key]), (preset, key, row[key])
+        if preset == "reinforce_pp":  # KL enters the reward, not the loss
+            assert all(r["loss/kl"] == 0.0 for r in rl)
+        rollout = [json.loads(line) for line in (run_dir / "metrics" / "rollout1.jsonl").read_text().splitlines()]
+        kept = [r["rollout/groups_kept"] for r in rollout if r["stage"] == "rl"]
+        generated = [r["rollout/groups_generated"] for r in rollout if r["stage"] == "rl"]
+        if preset == "dapo":  # dynamic sampling: groups without reward variance dropped, batch refilled
+            assert sum(generated) > 16 * STEPS, generated  # some groups had no reward variance
+        else:
+            assert generated == kept == [16.0] * STEPS

@@ -115,6 +115,7 @@ class TrainerConfig:
     sft_batch_size: int = 32  # sequences per SFT step
     threads: int = 0  # torch CPU threads per rank (0: all cores; roles take turns when synchronous)
     save_interval: int = 0  # checkpoint every N global steps (0: only when Slurm signals the time limit)
+    save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
 
 
@@ -186,7 +187,16 @@ class RunConfig:
 
 
 @dataclass
+class BenchConfig:
+    checkpoints: list[str] = field(default_factory=list)  # HF model directories to evaluate, in order
+    run_dir: Optional[str] = None  # also every HF export of this run (<run>/checkpoints/hf/v*, trainer.save_hf)
+    k: list[int] = field(default_factory=lambda: [1, 4])  # pass@k and mean@k for these k (n = max k samples)
+    temperature: float = 1.0  # sampling temperature of the bench samples
+
+
+@dataclass
 class RFTConfig:
+    mode: str = "both"  # both: explore + train | bench: evaluate checkpoints (rft/bench.py)
     seed: int = 0  # seeds data order, sampling and init on every rank
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -198,6 +208,7 @@ class RFTConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    bench: BenchConfig = field(default_factory=BenchConfig)
     stages: list[StageConfig] = field(default_factory=list)  # empty: one stage from the top level
 
 
@@ -312,8 +323,34 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
 
 
+def world_size(cfg: RFTConfig) -> int:
+    """Tasks the job runs: trainer + rollout ranks, or one for mode=bench."""
+    return 1 if cfg.mode == "bench" else cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+
+
+def _check_bench(cfg: RFTConfig) -> None:
+    b = cfg.bench
+    if not b.checkpoints and not b.run_dir:
+        config_error("bench.checkpoints", list(b.checkpoints), "mode=bench needs checkpoints: bench.checkpoints="
+                     "[dir1,dir2] (HF directories) or bench.run_dir=<a run with trainer.save_hf=true>")
+    for path in b.checkpoints:
+        if not os.path.isdir(path):
+            config_error("bench.checkpoints", path, "no such directory (an HF model directory)")
+    if b.run_dir and not os.path.isdir(os.path.join(b.run_dir, "checkpoints", "hf")):
+        config_error("bench.run_dir", b.run_dir, "has no checkpoints/hf/: run it with trainer.save_hf=true "
+                     "and trainer.save_interval=N")
+    if not b.k or min(b.k) < 1:
+        config_error("bench.k", list(b.k), "use a list of positive k, e.g. [1,4]")
+    if cfg.data.eval_path is None:
+        config_error("data.eval_path", None, "mode=bench evaluates on the eval taskset; set data.eval_path")
+
+
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
+    if cfg.mode not in ("both", "bench"):
+        config_error("mode", cfg.mode, "use both (explore + train) or bench; train/explore-only modes are not built yet")
+    if cfg.mode == "bench":
+        _check_bench(cfg)
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
         config_error("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
     if cfg.cluster.trainer_ranks < 1:

@@ -36,6 +36,10 @@ def run_rank(config: dict, master_port: int) -> dict:
     from rft.config import RFTConfig
 
     cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
+    if cfg.mode == "bench":  # one rollout task, no trainer, no weight sync
+        from rft.bench import run_bench
+
+        return run_bench(cfg)
     info = rank_info_from_env(cfg.cluster, master_port)
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:

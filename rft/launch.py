@@ -14,7 +14,7 @@ import sys
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rft.config import RFTConfig, register_configs, validate
+from rft.config import RFTConfig, register_configs, validate, world_size
 
 register_configs()
 
@@ -41,6 +41,14 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
     table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
+    if cfg.mode == "bench":
+        from rft.bench import bench_checkpoints
+
+        table.add_row("mode", f"bench: pass@k / mean@k for k in {list(cfg.bench.k)} on {cfg.data.eval_path}")
+        table.add_row("checkpoints", "\n".join(bench_checkpoints(cfg)))
+        table.add_row("output dir", cfg.run.output_dir)
+        console.print(table)
+        return
     tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
     table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
     table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
@@ -74,7 +82,7 @@ def _executor(cfg: RFTConfig, log_dir: str):
         logging.getLogger("submitit").setLevel(logging.ERROR)
         return make_executor(cfg, log_dir), cfg.cluster.master_port
     executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
-    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    world = world_size(cfg)
     executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min, gpus_per_node=0)
     return executor, cfg.cluster.master_port or free_port()
 
@@ -91,7 +99,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     from rft.monitor import write_json_atomic
     from rft.report import build_summary, console, print_summary, slurm_job_alive, wait_until_gone, watch
 
-    world = cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    world = world_size(cfg)
     on_slurm = cfg.cluster.kind == "slurm"
     # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -106,6 +114,11 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         return 1
     if on_slurm and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
+    if cfg.mode == "bench":
+        with open(os.path.join(cfg.run.output_dir, "bench.md")) as f:
+            console.print(f.read(), soft_wrap=True)
+        console.print(f"tables: {cfg.run.output_dir}/bench.csv, bench.md")
+        return 0
     summary = build_summary(cfg.run.output_dir, world)
     write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
     print_summary(summary)
@@ -125,7 +138,7 @@ def submit(cfg: RFTConfig) -> int:
     shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
     executor, port = _executor(cfg, log_dir)
     job = executor.submit(run_rank, _resolved_config(cfg), port)
-    console.print(f"submitted job {job.job_id} ({cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks} tasks)")
+    console.print(f"submitted job {job.job_id} ({world_size(cfg)} tasks)")
     if cfg.cluster.kind == "slurm":
         console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
                       f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
@@ -147,7 +160,7 @@ def submit_array(runs: list[RFTConfig], sweep_dir: str) -> int:
     with executor.batch():
         jobs = [executor.submit(run_rank, _resolved_config(run), port) for run in runs]
     array_id = jobs[0].job_id.split("_")[0]
-    world = runs[0].cluster.trainer_ranks + runs[0].cluster.rollout_ranks
+    world = world_size(runs[0])
     console.print(f"submitted array job {array_id} ({len(runs)} runs x {world} tasks)")
     for job, run in zip(jobs, runs):
         console.print(f"  {job.job_id}: {run.run.output_dir}  (logs {log_dir}/{job.job_id}_<rank>_log.out|err)",

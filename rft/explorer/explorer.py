@@ -30,7 +30,7 @@ from rft.monitor import Monitor, append_jsonl, drop_from_step, eval_path, rank_s
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 
 
-def _max_model_len(cfg: RFTConfig) -> int:
+def max_model_len(cfg: RFTConfig) -> int:
     from transformers import AutoConfig
 
     limit = AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
@@ -43,7 +43,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
     run_dir = cfg.run.output_dir
     t_start = time.time()
     stop.ignore_in_children()  # vLLM's worker processes must survive Slurm's SIGUSR2
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, _max_model_len(cfg))
+    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, max_model_len(cfg))
     stop.install()
     startup_s = time.time() - t_start  # overlaps the trainer's first steps
     saved = resume.load(info.rank) if resume else None

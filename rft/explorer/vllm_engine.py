@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from rft.config import ModelConfig, RolloutConfig
 
@@ -30,7 +30,9 @@ class WeightReceiver:
         self.rft_receiver = make_receiver(SyncLayout(**layout), first_index + self.rank)
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_noise)
 
-    def rft_receive_weights(self, apply: bool = True) -> tuple[int, float]:
+    def _rft_reload(self, load: "Callable[[Callable], object]") -> tuple[object, float]:
+        """Run `load(model.load_weights)` inside vLLM's layerwise reload; (its result, seconds
+        spent after it returned re-processing the weights)."""
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import (
             finalize_layerwise_reload,
@@ -41,16 +43,41 @@ class WeightReceiver:
         # reload restores the loaders before and re-runs that processing after, as its own
         # checkpoint-format transfer engines do. `load_weights` takes full HF tensors and keeps
         # this worker's TP slice, so any trainer TP/PP maps onto any rollout TP.
-        if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
-            return self.rft_receiver.receive(lambda named: None)
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config):
             initialize_layerwise_reload(model)
-            version, tail_s = self.rft_receiver.receive(model.load_weights)
+            result = load(model.load_weights)
             start = time.perf_counter()
             finalize_layerwise_reload(model, self.model_config)
             _reprocess_tied_layers(model)
-        return version, tail_s + time.perf_counter() - start
+        return result, time.perf_counter() - start
+
+    def rft_receive_weights(self, apply: bool = True) -> tuple[int, float]:
+        if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
+            return self.rft_receiver.receive(lambda named: None)
+        (version, tail_s), finalize_s = self._rft_reload(self.rft_receiver.receive)
+        return version, tail_s + finalize_s
+
+    def rft_load_hf_dir(self, path: str) -> int:
+        """Load every tensor of the HF checkpoint in `path` (its *.safetensors); returns how many."""
+        import glob
+
+        from safetensors import safe_open
+
+        def tensors():
+            for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+                with safe_open(file, framework="pt") as f:
+                    for name in f.keys():
+                        yield name, f.get_tensor(name)
+
+        def load(load_weights) -> int:
+            names = list(load_weights(tensors()) or [])
+            return len(names)
+
+        loaded, _ = self._rft_reload(load)
+        if not loaded:
+            raise RuntimeError(f"no weights loaded from {path}: no *.safetensors there?")
+        return loaded
 
     def rft_raw_broadcast(self, nbytes: int) -> None:
         """Receive one flat tensor of `nbytes` on the first weight group: the bandwidth bound that
@@ -157,6 +184,11 @@ class RolloutEngine:
         # Cached KV blocks were computed by the old weights; drop them.
         self.llm.reset_prefix_cache()
         return float(replies[0][1]) + time.perf_counter() - start
+
+    def load_hf_dir(self, path: str) -> None:
+        """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's)."""
+        self.llm.collective_rpc("rft_load_hf_dir", args=(path,))
+        self.llm.reset_prefix_cache()
 
     def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float,
                  top_p: float, stop: list[str], seed: int) -> list[list[Sample]]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -26,7 +27,7 @@ from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.train_step import StepBatch, train_step
 from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
-from rft.weights.engines import make_sender
+from rft.weights.engines import CheckpointSender, make_sender
 
 
 def experience_batch(table, group_size: int) -> tuple[StepBatch, dict[str, float]]:
@@ -96,6 +97,7 @@ class WeightPublisher:
         self.exports = ps.get_data_parallel_rank() == 0
         self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
         self.sender = None
+        self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
         if info.rank == layout.sender_ranks[stage]:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
@@ -111,6 +113,21 @@ class WeightPublisher:
                 pass
             return 0
         return self.sender.send(hf_table(model, self.geo, self.wire), tensors, self.version)
+
+
+    def export_hf(self, model, step: int, root: str) -> None:
+        """Write the current weights as an HF checkpoint `<root>/v<step>` (the checkpoint engine's
+        writer; every export kept): what mode=bench evaluates."""
+        if not self.exports:
+            return
+        tensors = export_hf_weights(model, self.geo)
+        if self.sender is None:
+            for _ in tensors:  # TP all-gathers: every TP rank iterates
+                pass
+            return
+        writer = CheckpointSender(replace(self.layout, checkpoint_dir=root), self.stage, self.model_path,
+                                  keep_versions=None)
+        writer.send(hf_table(model, self.geo, self.wire), tensors, step)
 
 
 def _make_optimizer(model, algo):
@@ -222,6 +239,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                     save_rank_state(run_dir, global_step, info.rank,
                                     _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher,
                                                    position))
+                    if cfg.trainer.save_hf:
+                        publisher.export_hf(model, global_step, os.path.join(run_dir, "checkpoints", "hf"))
                     control.any(False)  # every rank's file is written: the checkpoint is complete
                     if info.rank == 0:
                         prune(run_dir, info.world_size, cfg.trainer.keep_checkpoints)

@@ -112,10 +112,11 @@ class CheckpointSender:
     """Writes version v as `<dir>/v<v>/`: safetensors files per bucket, one `stage<s>.json` per stage,
     and (once every stage is there) `model.safetensors.index.json`, which marks it complete."""
 
-    keep_versions = 2  # a receiver may still be reading the previous version
-
-    def __init__(self, layout: SyncLayout, stage: int, hf_files_from: str | None = None):
+    def __init__(self, layout: SyncLayout, stage: int, hf_files_from: str | None = None,
+                 keep_versions: int | None = 2):
+        # 2: a receiver may still be reading the previous version; None: keep all (HF exports)
         self.layout, self.stage, self.hf_files_from = layout, stage, hf_files_from
+        self.keep_versions = keep_versions
 
     def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         from safetensors.torch import save_file
@@ -144,7 +145,7 @@ class CheckpointSender:
         write_json_atomic(os.path.join(vdir, f"stage{self.stage}.json"),
                            {"version": version, "table": table, "weight_map": weight_map})
         self._complete_if_last(vdir, version)
-        if self.stage == 0:
+        if self.stage == 0 and self.keep_versions is not None:
             self._prune(version)
         return written
 

@@ -1,0 +1,34 @@
+"""`mode=bench` evaluates checkpoints in one vLLM engine: the base model and every HF export a
+run saved (`trainer.save_hf`), writing bench.csv / bench.md and TensorBoard scalars."""
+
+import csv
+
+from tests.e2e.helpers import launch, tensorboard_scalars
+
+SFT_STEPS, SAVE_EVERY = 400, 200
+
+
+def test_bench_scores_the_base_model_and_a_runs_exports(tmp_path):
+    run_dir, bench_dir = tmp_path / "run", tmp_path / "bench"
+    trained = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "monitor.progress=false",
+                     "trainer.save_hf=true", f"trainer.save_interval={SAVE_EVERY}",
+                     f"stages=[{{name:sft,algorithm:{{name:sft,policy_loss:sft,lr:3.0e-3,warmup_steps:20}},"
+                     f"trainer:{{max_steps:{SFT_STEPS},sft_batch_size:64}}}}]")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    exports = sorted(p.name for p in (run_dir / "checkpoints" / "hf").iterdir())
+    assert exports == [f"v{SAVE_EVERY:06d}", f"v{SFT_STEPS:06d}"]
+
+    result = launch("+experiment=quickstart", "mode=bench", f"run.output_dir={bench_dir}",
+                    f"bench.checkpoints=[{run_dir}/model]", f"bench.run_dir={run_dir}", "bench.k=[1,4]")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = list(csv.DictReader((bench_dir / "bench.csv").open()))
+    assert [r["checkpoint"] for r in rows] == [str(run_dir / "model")] + [
+        str(run_dir / "checkpoints" / "hf" / name) for name in exports]
+    for row in rows:
+        p1, p4, m4 = float(row["pass@1"]), float(row["pass@4"]), float(row["mean@4"])
+        assert 0.0 <= p1 <= p4 <= 1.0 and 0.0 <= m4 <= 1.0 and int(row["tasks"]) == 200
+    # the exports' weights were really served: the SFT'd model solves what the random one cannot
+    assert float(rows[0]["pass@4"]) == 0.0 and float(rows[-1]["pass@4"]) > 0.0
+    assert "| checkpoint |" in (bench_dir / "bench.md").read_text()
+    scalars = tensorboard_scalars(str(bench_dir))
+    assert sorted(s for s, _ in scalars["bench/pass@4"]) == [0, 1, 2]

@@ -53,6 +53,8 @@ class DataConfig:
     eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
     prompt_key: str = "question"  # column holding the prompt text
     answer_key: str = "answer"  # column holding the reference answer
+    chosen_key: str = "chosen"  # preference data (DPO): the preferred response
+    rejected_key: str = "rejected"  # preference data (DPO): the dispreferred response
     prompt_template: str = "{prompt}"  # format string applied to the prompt column
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
@@ -66,7 +68,7 @@ class AlgorithmConfig:
 
     name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
     advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (rft/algorithms/advantages.py)
-    policy_loss: str = "ppo"  # ppo | gspo | cispo | sft (rft/algorithms/policy_losses.py); sft: no rollouts
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | sft | dpo (rft/algorithms/policy_losses.py); sft, dpo: no rollouts
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
     sample_filter: str = "none"  # none | zero_variance (DAPO dynamic sampling; the explorer refills)
@@ -83,6 +85,7 @@ class AlgorithmConfig:
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (rft/algorithms/kl.py)
     kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
     entropy_coef: float = 0.0  # entropy bonus weight
+    dpo_beta: float = 0.1  # DPO: strength of the implicit KL to the reference (policy_loss=dpo, mode=train)
     reward: str = "exact_match"  # exact_match | math_verify
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
@@ -112,7 +115,7 @@ class TrainerConfig:
     micro_batch_size: int = 8  # sequences per forward/backward
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
-    sft_batch_size: int = 32  # sequences per SFT step
+    sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
     threads: int = 0  # torch CPU threads per rank (0: all cores; roles take turns when synchronous)
     save_interval: int = 0  # checkpoint every N global steps (0: only when Slurm signals the time limit)
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
@@ -196,7 +199,7 @@ class BenchConfig:
 
 @dataclass
 class RFTConfig:
-    mode: str = "both"  # both: explore + train | bench: evaluate checkpoints (rft/bench.py)
+    mode: str = "both"  # both: explore + train | train: offline from datasets (SFT, DPO) | bench (rft/bench.py)
     seed: int = 0  # seeds data order, sampling and init on every rank
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -298,6 +301,8 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
     from rft.algorithms import registries
 
     for key, registry in registries().items():
+        if key == "policy_loss" and algo.policy_loss == "dpo":
+            continue  # pairs, not per-token losses: rft/trainer/dpo_step.py
         try:
             registry.resolve(getattr(algo, key))
         except ValueError as err:
@@ -324,8 +329,10 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
 
 
 def world_size(cfg: RFTConfig) -> int:
-    """Tasks the job runs: trainer + rollout ranks, or one for mode=bench."""
-    return 1 if cfg.mode == "bench" else cfg.cluster.trainer_ranks + cfg.cluster.rollout_ranks
+    """Tasks the job runs: trainer + rollout ranks; trainer ranks only for mode=train; one for mode=bench."""
+    if cfg.mode == "bench":
+        return 1
+    return cfg.cluster.trainer_ranks + (0 if cfg.mode == "train" else cfg.cluster.rollout_ranks)
 
 
 def _check_bench(cfg: RFTConfig) -> None:
@@ -347,8 +354,9 @@ def _check_bench(cfg: RFTConfig) -> None:
 
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
-    if cfg.mode not in ("both", "bench"):
-        config_error("mode", cfg.mode, "use both (explore + train) or bench; train/explore-only modes are not built yet")
+    if cfg.mode not in ("both", "train", "bench"):
+        config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO) or bench; "
+                     "mode=explore is not built yet")
     if cfg.mode == "bench":
         _check_bench(cfg)
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
@@ -363,11 +371,11 @@ def validate(cfg: RFTConfig) -> None:
             config_error(key, value, f"must be >= {least}")
     rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
     span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
-    if rtp >= 1 and cfg.cluster.rollout_ranks % span:
+    if cfg.mode == "both" and rtp >= 1 and cfg.cluster.rollout_ranks % span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
                      "takes one task (one GPU) per TP rank")
-    if rtp >= 1 and cfg.cluster.rollout_ranks != span:
+    if cfg.mode == "both" and rtp >= 1 and cfg.cluster.rollout_ranks != span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"one vLLM engine for now: {span} here (rollout.tensor_parallel_size on GPU nodes, "
                      "1 where tasks have no GPU)")
@@ -389,6 +397,12 @@ def validate(cfg: RFTConfig) -> None:
         _check_file(f"{prefix}data.train_path", data.train_path, generated)
         _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
         _check_algorithm(prefix, algo)
+        if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
+            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
+                         "mode=train learns from datasets only: use sft or dpo (or mode=both for RL)")
+        if cfg.mode == "both" and algo.policy_loss == "dpo":
+            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
+                         "DPO trains offline on preference pairs: run it with mode=train")
         if algo.reward not in _REWARDS:
             config_error(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
         if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
@@ -451,7 +465,7 @@ def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:
 
 def needs_rollouts(stage: RFTConfig) -> bool:
     """Whether a stage learns from the explorer's rollouts (else it trains from a dataset)."""
-    return stage.algorithm.policy_loss != "sft"
+    return stage.algorithm.policy_loss not in ("sft", "dpo")
 
 
 def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) -> bool:
@@ -463,5 +477,7 @@ def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) ->
 def syncs_after_step(cfg: RFTConfig, stage: RFTConfig, global_step: int, step: int) -> bool:
     """The schedule both roles follow: weights move after every step of a rollout stage, and in
     dataset stages (SFT) only where the explorer evaluates or the stage ends."""
+    if cfg.mode == "train":  # no rollout ranks to send to
+        return False
     last = step + 1 == stage.trainer.max_steps
     return needs_rollouts(stage) or last or is_eval_step(cfg, global_step, step, stage.trainer.max_steps)

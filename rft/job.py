@@ -40,6 +40,8 @@ def run_rank(config: dict, master_port: int) -> dict:
         from rft.bench import run_bench
 
         return run_bench(cfg)
+    if cfg.mode == "train":  # offline: trainer ranks only
+        cfg.cluster.rollout_ranks = 0
     info = rank_info_from_env(cfg.cluster, master_port)
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:

@@ -25,7 +25,8 @@ class Task:
 
     index: int
     prompt: str
-    answer: str
+    answer: str  # the reference answer; for preference data (DPO) the chosen response
+    rejected: str | None = None  # preference data: the rejected response
 
 
 @dataclass
@@ -100,30 +101,41 @@ def _starts_with_bracket(path: str) -> bool:
     return head.startswith(b"[")
 
 
-def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str) -> Task | str:
+def _text_field(obj: dict, key: str) -> str:
+    """A reference/response field as text, or raise ValueError with the reason."""
+    value = obj[key]
+    # bool is an int subclass but True/False as a reference answer is almost surely a data bug.
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        raise ValueError(f"answer {key!r} must be a string or number (got {type(value).__name__})")
+    if not str(value).strip():
+        raise ValueError(f"answer {key!r} is empty")  # nothing to verify against
+    return str(value)
+
+
+def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str,
+                 rejected_key: str | None = None) -> Task | str:
     """Return a Task, or a short reason the row is unusable."""
     if isinstance(obj, ValueError):
         return str(obj)
     if not isinstance(obj, dict):
         return f"not a JSON object (got {type(obj).__name__})"
-    for key in (prompt_key, answer_key):
-        if key not in obj:
+    for key in (prompt_key, answer_key, rejected_key):
+        if key is not None and key not in obj:
             keys = ", ".join(sorted(map(str, obj))[:8])
             return f"missing key {key!r} (row has: {keys})"
-    prompt, answer = obj[prompt_key], obj[answer_key]
+    prompt = obj[prompt_key]
     if not isinstance(prompt, str) or not prompt.strip():
         return f"prompt {prompt_key!r} must be a non-empty string (got {prompt!r:.40})"
-    # bool is an int subclass but True/False as a reference answer is almost surely a data bug.
-    if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
-        return f"answer {answer_key!r} must be a string or number (got {type(answer).__name__})"
-    answer = str(answer)
-    if not answer.strip():
-        return f"answer {answer_key!r} is empty"  # nothing to verify against
-    return Task(index=index, prompt=template.format(prompt=prompt), answer=answer)
+    try:
+        answer = _text_field(obj, answer_key)
+        rejected = _text_field(obj, rejected_key) if rejected_key is not None else None
+    except ValueError as err:
+        return str(err)
+    return Task(index=index, prompt=template.format(prompt=prompt), answer=answer, rejected=rejected)
 
 
 def read_taskset(
-    path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}"
+    path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None
 ) -> tuple[list[Task], TasksetReport]:
     """Read `.jsonl`/`.json` (one object per line, or one top-level array) or `.parquet` rows.
 
@@ -146,7 +158,7 @@ def read_taskset(
     tasks: list[Task] = []
     report = TasksetReport(path=path, rows=0, skipped=0)
     for index, where, obj in rows:
-        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template)
+        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key)
         if isinstance(result, Task):
             tasks.append(result)
             continue
@@ -224,9 +236,12 @@ class TaskCursor:
         self._epoch, self._position = epoch, position
 
 
-def read_stage_tasks(path: str, data, skipped: dict[str, int]) -> list[Task]:
+def read_stage_tasks(path: str, data, skipped: dict[str, int], preferences: bool = False) -> list[Task]:
     """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record how many
-    malformed rows it skipped in `skipped` (path -> count), which the run summary reports."""
-    tasks, report = read_taskset(path, data.prompt_key, data.answer_key, data.prompt_template)
+    malformed rows it skipped in `skipped` (path -> count), which the run summary reports.
+    `preferences`: rows are (prompt, chosen, rejected) pairs (data.chosen_key, data.rejected_key)."""
+    answer_key = data.chosen_key if preferences else data.answer_key
+    tasks, report = read_taskset(path, data.prompt_key, answer_key, data.prompt_template,
+                                 data.rejected_key if preferences else None)
     skipped[report.path] = report.skipped
     return tasks

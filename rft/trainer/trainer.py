@@ -25,6 +25,7 @@ from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+from rft.trainer.dpo_step import dpo_step
 from rft.trainer.train_step import StepBatch, train_step
 from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
 from rft.weights.engines import CheckpointSender, make_sender
@@ -42,6 +43,16 @@ def experience_batch(table, group_size: int) -> tuple[StepBatch, dict[str, float
     stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
              "response_length/mean": float(lengths.mean())}
     return batch, stats
+
+
+def preference_batch(cursor: TaskCursor, n: int, tokenizer, chat_template: bool) -> StepBatch:
+    """`n` pairs as rows 2i (prompt + chosen) and 2i+1 (prompt + rejected), for DPO."""
+    prompts, responses = [], []
+    for t in cursor.next_batch(n):
+        prompt = tokenizer(format_prompt(t, tokenizer, chat_template), add_special_tokens=False).input_ids
+        prompts += [prompt, prompt]
+        responses += [reference_response(t.answer, tokenizer), reference_response(t.rejected, tokenizer)]
+    return StepBatch(prompt_ids=prompts, response_ids=responses)
 
 
 def sft_batch(cursor: TaskCursor, n: int, tokenizer, chat_template: bool) -> StepBatch:
@@ -179,7 +190,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
         algo = stage.algorithm
         optimizer, scheduler = _make_optimizer(model, algo)
         ref_model = None
-        if needs_rollouts(stage) and algo.kl_coef > 0:
+        is_dpo = algo.policy_loss == "dpo"
+        if (needs_rollouts(stage) and algo.kl_coef > 0) or is_dpo:
             # frozen reference: the policy at stage start (Megatron modules hold process groups,
             # so build a twin and copy the weights rather than deepcopy)
             ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
@@ -187,7 +199,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             ref_model.eval().requires_grad_(False)
         cursor = None
         if not needs_rollouts(stage):
-            cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped),
+            cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped, preferences=is_dpo),
                                 cfg.seed + stage_index)
         first_step, pending = 0, None
         if saved and stage_index == saved["stage_index"]:
@@ -215,9 +227,14 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                     totals["wait_s"] += waited
                 else:
                     t1, io_s = time.time(), 0.0
-                    batch = sft_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
-                metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id,
-                                     ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens)
+                    make_batch = preference_batch if is_dpo else sft_batch
+                    batch = make_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
+                if is_dpo:
+                    metrics = dpo_step(model, optimizer, ref_model, batch, algo, stage.trainer.micro_batch_size,
+                                       pad_id)
+                else:
+                    metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id,
+                                         ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens)
                 scheduler.step()
                 t2 = time.time()
                 io_s += reader.commit()

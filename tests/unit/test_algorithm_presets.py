@@ -25,16 +25,18 @@ def bad_advantage(rewards, group_size):
 
 
 def test_the_readme_presets_all_exist():
-    assert set(PRESETS) >= {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "sft"}
+    assert set(PRESETS) >= {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "sft", "dpo"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_every_key_resolves(preset, tmp_path):
-    cfg = compose_cfg("+experiment=quickstart", f"algorithm={preset}", f"run.output_dir={tmp_path}")
+    mode = "train" if preset == "dpo" else "both"  # DPO learns offline from preference pairs
+    cfg = compose_cfg("+experiment=quickstart", f"algorithm={preset}", f"mode={mode}", f"run.output_dir={tmp_path}")
     validate(cfg)
     assert cfg.algorithm.name == preset
     for key, registry in registries().items():
-        assert callable(registry.resolve(getattr(cfg.algorithm, key)))
+        if not (key == "policy_loss" and preset == "dpo"):  # pairs, not a per-token loss
+            assert callable(registry.resolve(getattr(cfg.algorithm, key)))
 
 
 def test_a_dotted_path_registers_the_users_function(tmp_path):
@@ -49,6 +51,7 @@ def test_a_dotted_path_registers_the_users_function(tmp_path):
 
 
 @pytest.mark.parametrize("override, message", [
+    ("algorithm.policy_loss=dpo", "run it with mode=train"),
     ("algorithm.advantage=tests.unit.test_algorithm_presets.bad_advantage", "algorithm.advantage="),
     ("algorithm.policy_loss=nope", "algorithm.policy_loss='nope'"),
     ("algorithm.loss_agg=rft.algorithms.missing.fn", "algorithm.loss_agg="),

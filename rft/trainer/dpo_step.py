@@ -1,0 +1,68 @@
+"""One DPO optimizer step on preference pairs (Rafailov et al. 2023), offline (`mode=train`).
+
+Rows come in pairs: row 2i is prompt + chosen, row 2i+1 the same prompt + rejected. Pairs are split
+over data-parallel ranks and microbatches whole (a pair's two rows stay together), each row's
+response logprobs are summed, the frozen reference model (the policy at stage start) gives the
+same sums, and the loss is the mean over all pairs of -log sigmoid(beta * margin).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from rft.algorithms.policy_losses import dpo_loss
+from rft.config import AlgorithmConfig
+from rft.trainer.forward import Microbatch, pack_microbatch
+from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
+from rft.trainer.train_step import StepBatch, _dp, _sync_grads, grad_norm_and_clip
+
+
+def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs)).sum(dim=-1)
+
+
+def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
+             pad_id: int) -> dict[str, float]:
+    from megatron.core import parallel_state as ps
+
+    dp_rank, dp_size, dp_group = _dp()
+    pairs = list(range(dp_rank, len(batch.prompt_ids) // 2, dp_size))
+    per_mb = max(1, micro_batch_size // 2)
+    chunks = [[r for p in pairs[s: s + per_mb] for r in (2 * p, 2 * p + 1)] for s in range(0, len(pairs), per_mb)]
+    device = next(model.parameters()).device
+    mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device)
+           for idx in chunks]
+    num_pairs = float(len(batch.prompt_ids) // 2)
+    with torch.no_grad():
+        ref = forward_logprobs_pipelined(ref_model, mbs)
+    sums = {"loss/dpo": 0.0, "dpo/accuracy": 0.0, "dpo/margin": 0.0, "dpo/chosen_reward": 0.0,
+            "dpo/rejected_reward": 0.0}
+
+    def loss_fn(m: int, mb: Microbatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
+        seq = _sequence_sums(logprobs, mb.loss_mask)
+        ref_seq = _sequence_sums(ref[m], mb.loss_mask)
+        loss, metrics = dpo_loss(seq[0::2], seq[1::2], ref_seq[0::2], ref_seq[1::2], algo.dpo_beta)
+        n = loss.numel()
+        sums["loss/dpo"] += loss.detach().sum().item()
+        for key, name in (("dpo/accuracy", "rewards/accuracy"), ("dpo/margin", "rewards/margin"),
+                          ("dpo/chosen_reward", "rewards/chosen"), ("dpo/rejected_reward", "rewards/rejected")):
+            sums[key] += float(metrics[name]) * n
+        return loss.sum() / num_pairs
+
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    forward_backward(model, mbs, loss_fn, with_entropy=False)
+    _sync_grads(model)
+    stats = torch.tensor(list(sums.values()))
+    if dp_size > 1:
+        dist.all_reduce(stats, group=dp_group)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage computed losses
+        dist.all_reduce(stats, group=ps.get_pipeline_model_parallel_group())
+    grad_norm = grad_norm_and_clip(model, algo.grad_clip)
+    optimizer.step()
+    metrics = {k: v / num_pairs for k, v in zip(sums, stats.tolist())}
+    metrics["loss/policy"] = metrics["loss/dpo"]
+    metrics["actor/grad_norm"] = grad_norm
+    metrics["train/tokens"] = float(sum(len(r) for r in batch.response_ids))
+    return metrics

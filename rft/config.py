@@ -199,7 +199,7 @@ class BenchConfig:
 
 @dataclass
 class RFTConfig:
-    mode: str = "both"  # both: explore + train | train: offline from datasets (SFT, DPO) | bench (rft/bench.py)
+    mode: str = "both"  # both: explore + train | train: offline (SFT, DPO) | explore: rollouts only | bench
     seed: int = 0  # seeds data order, sampling and init on every rank
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -329,10 +329,12 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
 
 
 def world_size(cfg: RFTConfig) -> int:
-    """Tasks the job runs: trainer + rollout ranks; trainer ranks only for mode=train; one for mode=bench."""
+    """Tasks the job runs: trainer + rollout ranks; only trainer ranks for mode=train, only rollout
+    ranks for mode=explore; one for mode=bench."""
     if cfg.mode == "bench":
         return 1
-    return cfg.cluster.trainer_ranks + (0 if cfg.mode == "train" else cfg.cluster.rollout_ranks)
+    trainers = 0 if cfg.mode == "explore" else cfg.cluster.trainer_ranks
+    return trainers + (0 if cfg.mode == "train" else cfg.cluster.rollout_ranks)
 
 
 def _check_bench(cfg: RFTConfig) -> None:
@@ -354,9 +356,9 @@ def _check_bench(cfg: RFTConfig) -> None:
 
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
-    if cfg.mode not in ("both", "train", "bench"):
-        config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO) or bench; "
-                     "mode=explore is not built yet")
+    if cfg.mode not in ("both", "train", "explore", "bench"):
+        config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO), explore "
+                     "(rollouts only) or bench")
     if cfg.mode == "bench":
         _check_bench(cfg)
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
@@ -371,11 +373,11 @@ def validate(cfg: RFTConfig) -> None:
             config_error(key, value, f"must be >= {least}")
     rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
     span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
-    if cfg.mode == "both" and rtp >= 1 and cfg.cluster.rollout_ranks % span:
+    if cfg.mode in ("both", "explore") and rtp >= 1 and cfg.cluster.rollout_ranks % span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
                      "takes one task (one GPU) per TP rank")
-    if cfg.mode == "both" and rtp >= 1 and cfg.cluster.rollout_ranks != span:
+    if cfg.mode in ("both", "explore") and rtp >= 1 and cfg.cluster.rollout_ranks != span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"one vLLM engine for now: {span} here (rollout.tensor_parallel_size on GPU nodes, "
                      "1 where tasks have no GPU)")
@@ -400,6 +402,9 @@ def validate(cfg: RFTConfig) -> None:
         if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "mode=train learns from datasets only: use sft or dpo (or mode=both for RL)")
+        if cfg.mode == "explore" and not needs_rollouts(stage):
+            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
+                         "mode=explore only generates rollouts: a dataset stage (sft, dpo) has nothing to do")
         if cfg.mode == "both" and algo.policy_loss == "dpo":
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "DPO trains offline on preference pairs: run it with mode=train")
@@ -477,7 +482,7 @@ def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) ->
 def syncs_after_step(cfg: RFTConfig, stage: RFTConfig, global_step: int, step: int) -> bool:
     """The schedule both roles follow: weights move after every step of a rollout stage, and in
     dataset stages (SFT) only where the explorer evaluates or the stage ends."""
-    if cfg.mode == "train":  # no rollout ranks to send to
+    if cfg.mode in ("train", "explore"):  # one side only: no weights move
         return False
     last = step + 1 == stage.trainer.max_steps
     return needs_rollouts(stage) or last or is_eval_step(cfg, global_step, step, stage.trainer.max_steps)

@@ -42,6 +42,8 @@ def run_rank(config: dict, master_port: int) -> dict:
         return run_bench(cfg)
     if cfg.mode == "train":  # offline: trainer ranks only
         cfg.cluster.rollout_ranks = 0
+    if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
+        cfg.cluster.trainer_ranks = 0
     info = rank_info_from_env(cfg.cluster, master_port)
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:

@@ -9,13 +9,12 @@ same sums, and the loss is the mean over all pairs of -log sigmoid(beta * margin
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
-from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
-from rft.trainer.train_step import StepBatch, _dp, _sync_grads, grad_norm_and_clip
+from rft.trainer.pipeline import forward_logprobs_pipelined
+from rft.trainer.train_step import StepBatch, _dp, backward_and_step
 
 
 def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -24,9 +23,7 @@ def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
              pad_id: int) -> dict[str, float]:
-    from megatron.core import parallel_state as ps
-
-    dp_rank, dp_size, dp_group = _dp()
+    dp_rank, dp_size, _ = _dp()
     pairs = list(range(dp_rank, len(batch.prompt_ids) // 2, dp_size))
     per_mb = max(1, micro_batch_size // 2)
     chunks = [[r for p in pairs[s: s + per_mb] for r in (2 * p, 2 * p + 1)] for s in range(0, len(pairs), per_mb)]
@@ -50,18 +47,8 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
             sums[key] += float(metrics[name]) * n
         return loss.sum() / num_pairs
 
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    forward_backward(model, mbs, loss_fn, with_entropy=False)
-    _sync_grads(model)
-    stats = torch.tensor(list(sums.values()))
-    if dp_size > 1:
-        dist.all_reduce(stats, group=dp_group)
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage computed losses
-        dist.all_reduce(stats, group=ps.get_pipeline_model_parallel_group())
-    grad_norm = grad_norm_and_clip(model, algo.grad_clip)
-    optimizer.step()
-    metrics = {k: v / num_pairs for k, v in zip(sums, stats.tolist())}
+    sums, grad_norm = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip, with_entropy=False)
+    metrics = {k: v / num_pairs for k, v in sums.items()}
     metrics["loss/policy"] = metrics["loss/dpo"]
     metrics["actor/grad_norm"] = grad_norm
     metrics["train/tokens"] = float(sum(len(r) for r in batch.response_ids))

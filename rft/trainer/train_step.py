@@ -143,6 +143,28 @@ def _sync_grads(model) -> None:
         dist.all_reduce(weight.grad, group=ps.get_embedding_group())
 
 
+def backward_and_step(model, optimizer, mbs: list[Microbatch], loss_fn, sums: dict[str, float], grad_clip: float,
+                      with_entropy: bool = True) -> tuple[dict[str, float], float]:
+    """Forward/backward every microbatch (`loss_fn` adds its statistics to `sums`), sum gradients
+    and statistics over DP (statistics also over PP: only the last stage computes losses), clip,
+    step. Returns (the summed statistics, the grad norm before clipping)."""
+    from megatron.core import parallel_state as ps
+
+    _, dp_size, dp_group = _dp()
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    forward_backward(model, mbs, loss_fn, with_entropy)
+    _sync_grads(model)
+    stats = torch.tensor(list(sums.values()))
+    if dp_size > 1:
+        dist.all_reduce(stats, group=dp_group)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        dist.all_reduce(stats, group=ps.get_pipeline_model_parallel_group())
+    grad_norm = grad_norm_and_clip(model, grad_clip)
+    optimizer.step()
+    return dict(zip(sums, stats.tolist())), grad_norm
+
+
 def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) -> tuple[float, float]:
     """Response tokens and non-empty responses of the whole batch (summed over DP ranks)."""
     counts = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows)),
@@ -220,18 +242,7 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
                 per_token = per_token - algo.entropy_coef * entropy
         return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
-    model.train()
-    optimizer.zero_grad(set_to_none=True)
-    forward_backward(model, mbs, loss_fn)
-    _sync_grads(model)
-    stats = torch.tensor(list(sums.values()))
-    if dp_size > 1:
-        dist.all_reduce(stats, group=dp_group)
-    if ps.get_pipeline_model_parallel_world_size() > 1:  # only the last stage computed losses
-        dist.all_reduce(stats, group=ps.get_pipeline_model_parallel_group())
-    sums = dict(zip(sums, stats.tolist()))
-    grad_norm = grad_norm_and_clip(model, algo.grad_clip)
-    optimizer.step()
+    sums, grad_norm = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
     metrics = {k: v / num_tokens for k, v in sums.items()}
     if trainer_old is None:
         del metrics["actor/is_weight"]

@@ -1,7 +1,6 @@
 """Bad input as a user would hit it: the launcher stops before launch, or exits non-zero naming
 the rank that died and its log, without hanging."""
 
-import json
 import os
 import time
 

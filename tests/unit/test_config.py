@@ -5,7 +5,6 @@ import os
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
 from rft.config import RFTConfig, register_configs, stage_configs, validate
 

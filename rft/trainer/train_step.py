@@ -198,16 +198,19 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
     kl_in_loss = use_ref and algo.kl_mode == "loss"
     ref_logprobs = forward_logprobs_pipelined(ref_model, mbs) if kl_in_loss else None
-    last_stage = ps.is_pipeline_last_stage()
+    ref_all = all_chunks = None
+    if use_ref and algo.kl_mode == "reward":
+        # the penalty enters batch-wide advantages: every row's reference logprobs are needed
+        # (a pipelined forward: every stage takes part, the last one gets the logprobs)
+        all_rows = list(range(len(batch.prompt_ids)))
+        all_chunks = [all_rows[s: s + micro_batch_size] for s in range(0, len(all_rows), micro_batch_size)]
+        ref_all = forward_logprobs_pipelined(ref_model, pack(all_chunks))
     advantages = rollout_old = trainer_old = None
-    if is_rl and last_stage:
+    if is_rl and ps.is_pipeline_last_stage():
         ref_response = None
-        if use_ref and algo.kl_mode == "reward":
-            # the penalty enters batch-wide advantages: every row's reference logprobs are needed
-            all_rows = list(range(len(batch.prompt_ids)))
-            all_chunks = [all_rows[s: s + micro_batch_size] for s in range(0, len(all_rows), micro_batch_size)]
-            ref_response = torch.zeros(len(all_rows), max(len(r) for r in batch.response_ids))
-            for idx, lp in zip(all_chunks, forward_logprobs_pipelined(ref_model, pack(all_chunks))):
+        if ref_all is not None:
+            ref_response = torch.zeros(len(batch.prompt_ids), max(len(r) for r in batch.response_ids))
+            for idx, lp in zip(all_chunks, ref_all):
                 _response_part(batch, idx, lp.float().cpu(), ref_response)
         advantages = batch_advantages(batch, algo, ref_response)
         rollout_old = _response_tensors(batch)[1]

@@ -247,7 +247,7 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
 
     sums, grad_norm = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
     metrics = {k: v / num_tokens for k, v in sums.items()}
-    if trainer_old is None:
+    if algo.tis_cap is None or not is_rl:  # (trainer_old is None on all but the last PP stage)
         del metrics["actor/is_weight"]
     metrics["actor/grad_norm"] = grad_norm
     metrics["train/tokens"] = num_tokens

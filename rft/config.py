@@ -128,12 +128,14 @@ class BufferConfig:
     lease_s: float = 600.0  # a claimed shard not committed within this returns to the pool
     wait_timeout_s: float = 1800.0  # trainer gives up waiting for experience after this
     poll_s: float = 0.002  # how often the trainer looks for a new shard (one directory listing)
+    max_staleness: Optional[int] = None  # a shard whose weights are more trainer steps old is stale (None: no limit)
+    stale: str = "drop"  # drop: skip its step, keep it as <name>.stale | reweight: train it with truncated IS
 
 
 @dataclass
 class SyncConfig:
-    interval: int = 1  # trainer steps between weight syncs
-    offset: int = 0  # explorer steps ahead of the trainer (0: on-policy)
+    interval: int = 1  # rollout stages: trainer steps between weight syncs (rft/schedule.py)
+    offset: int = 0  # rollout stages: explorer steps ahead of the trainer (0: take turns, 1: one-step-off)
     engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
     bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
     wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype
@@ -444,9 +446,14 @@ def validate(cfg: RFTConfig) -> None:
         if (tp, pp) != (cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size):
             config_error(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
                   "the trainer's model layout lives for the whole run; set it globally")
-    if cfg.sync.interval != 1 or cfg.sync.offset != 0:
-        config_error("sync.interval/sync.offset", (cfg.sync.interval, cfg.sync.offset),
-              "only synchronous on-policy (interval=1, offset=0) is built so far")
+    if cfg.sync.interval < 1:
+        config_error("sync.interval", cfg.sync.interval, "use 1 (a sync after every step) or more")
+    if cfg.sync.offset < 0:
+        config_error("sync.offset", cfg.sync.offset, "use 0 (synchronous) or more steps ahead")
+    if cfg.buffer.max_staleness is not None and cfg.buffer.max_staleness < 0:
+        config_error("buffer.max_staleness", cfg.buffer.max_staleness, "use 0 or more trainer steps, or null")
+    if cfg.buffer.stale not in ("drop", "reweight"):
+        config_error("buffer.stale", cfg.buffer.stale, "use drop or reweight")
     _check_parallel_layout(cfg)
     if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
         config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
@@ -472,17 +479,3 @@ def needs_rollouts(stage: RFTConfig) -> bool:
     """Whether a stage learns from the explorer's rollouts (else it trains from a dataset)."""
     return stage.algorithm.policy_loss not in ("sft", "dpo")
 
-
-def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) -> bool:
-    """Interval evals after global step `global_step` (the stage-end eval is separate)."""
-    interval = cfg.monitor.eval_interval
-    return bool(interval) and global_step % interval == 0 and step + 1 < max_steps
-
-
-def syncs_after_step(cfg: RFTConfig, stage: RFTConfig, global_step: int, step: int) -> bool:
-    """The schedule both roles follow: weights move after every step of a rollout stage, and in
-    dataset stages (SFT) only where the explorer evaluates or the stage ends."""
-    if cfg.mode in ("train", "explore"):  # one side only: no weights move
-        return False
-    last = step + 1 == stage.trainer.max_steps
-    return needs_rollouts(stage) or last or is_eval_step(cfg, global_step, step, stage.trainer.max_steps)

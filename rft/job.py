@@ -12,16 +12,23 @@ def pid_path(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "pids", f"rank{rank}.pid")
 
 
-def _roll_back_buffer(cfg, info, done: int) -> None:
-    """Set aside this producer's experience written after the checkpoint (see ExperienceBuffer.roll_back)."""
+def _roll_back_buffer(cfg, info, resume) -> None:
+    """Set aside this producer's experience written after its checkpoint (see
+    ExperienceBuffer.roll_back), and return to the pool what it wrote before it but the trainer
+    consumed after its own (with sync.offset the explorer saves ahead of the trainer)."""
     from rft.buffer.shards import ExperienceBuffer
     from rft.checkpoint import requeue_count
 
+    written = resume.load(info.rank)["global_step"]  # shards [0, written) are in this checkpoint
     buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{done:08d}"
-    moved = buffer.roll_back(info.rank, done, into)
+    into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{written:08d}"
+    moved = buffer.roll_back(info.rank, written, into)
     if moved:
         print(f"set aside {len(moved)} experience shard(s) written after the checkpoint: buffer/{into}", flush=True)
+    reopened = buffer.reopen(info.rank, resume.done)
+    if reopened:
+        print(f"{len(reopened)} experience shard(s) the trainer took after its checkpoint are ready again "
+              f"(steps {resume.done} to {written - 1})", flush=True)
 
 
 def run_rank(config: dict, master_port: int) -> dict:
@@ -63,7 +70,7 @@ def run_rank(config: dict, master_port: int) -> dict:
         if resume is not None:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
             if info.role == "rollout":
-                _roll_back_buffer(cfg, info, resume.done)
+                _roll_back_buffer(cfg, info, resume)
         if is_engine_follower(cfg, info):
             return hold_until_finished(info)
         if info.role == "rollout" and cfg.cluster.gpus_per_node:

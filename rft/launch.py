@@ -55,6 +55,8 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
                                    f"model {cfg.model.name})")
     table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
                                  f"timeout {cfg.sync.timeout_s:.0f}s")
+    if cfg.mode == "both":
+        table.add_row("schedule", schedule_line(cfg))
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
                                       for n, s in stage_configs(cfg)))
     table.add_row("output dir", cfg.run.output_dir)
@@ -64,6 +66,22 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def schedule_line(cfg: RFTConfig) -> str:
+    """How explorer and trainer interleave in rollout stages (rft/schedule.py), and the staleness
+    that allows, with a warning where buffer.max_staleness will drop or re-weight shards by design."""
+    from rft.schedule import max_lag
+
+    k, n, limit = cfg.sync.offset, cfg.sync.interval, cfg.buffer.max_staleness
+    kind = "synchronous on-policy" if k == 0 and n == 1 else ("one-step-off" if (k, n) == (1, 1) else "asynchronous")
+    line = f"{kind}: weights sync every {n} step(s), explorer {k} step(s) ahead; experience up to {max_lag(cfg)} " \
+           "trainer step(s) old"
+    if limit is not None:
+        line += f"; older than {limit}: {cfg.buffer.stale}"
+        if limit < max_lag(cfg):
+            line += " [yellow](every sync window: sync.offset + sync.interval - 1 > buffer.max_staleness)[/yellow]"
+    return line
 
 
 def _executor(cfg: RFTConfig, log_dir: str):

@@ -166,10 +166,13 @@ def build_summary(run_dir: str, world_size: int) -> dict:
     trainer_split["other_s"] = max(0.0, trainer.get("wall_s", 0.0) - sum(trainer_split.values()))
     explorer_split = {part: rollout.get(part, 0.0)
                       for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s")}
-    return {"stages": stages, "wall_s": wall, "steps": trainer.get("steps", 0),
-            "time_split": {"trainer": trainer_split, "explorer": explorer_split},
+    split = {role: parts for role, parts, ran in (("trainer", trainer_split, trainer), ("explorer", explorer_split,
+                                                                                           rollout)) if ran}
+    return {"stages": stages, "wall_s": wall, "steps": trainer.get("steps", rollout.get("steps", 0)),
+            "time_split": split,  # only the roles this mode runs (mode=train: no explorer)
             "skipped_rows": {**trainer.get("skipped_rows", {}), **rollout.get("skipped_rows", {})},
-            "reward_errors": rollout.get("reward_errors", 0)}
+            "reward_errors": rollout.get("reward_errors", 0),
+            "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 
 
 def print_summary(summary: dict) -> None:
@@ -196,6 +199,10 @@ def print_summary(summary: dict) -> None:
     skipped = {p: n for p, n in summary["skipped_rows"].items() if n}
     for path, n in skipped.items():
         console.print(f"[yellow]skipped {n} malformed rows in {path}")
+    stale = summary.get("stale", {})
+    if any(stale.values()):
+        console.print(f"[yellow]stale experience (buffer.max_staleness): {stale.get('dropped', 0)} shard(s) dropped, "
+                      f"{stale.get('reweighted', 0)} re-weighted")
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
 

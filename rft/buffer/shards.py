@@ -10,6 +10,7 @@ Shard life cycle, by file name (`name` = `step00000012-p003.parquet`):
     <name>               ready
     <name>.claimed-c<k>  leased to consumer k; back to ready if not committed within lease_s
     <name>.done          consumed
+    <name>.stale         too old to train on (buffer.max_staleness, stale=drop); kept, not trained
     <name>.corrupt       failed its checksum; quarantined so it is not retried forever
 """
 
@@ -244,6 +245,13 @@ class ExperienceBuffer:
                 f"to the pool in {self.root}, so it may be consumed again; raise buffer lease_s"
             ) from None
 
+    def set_aside_stale(self, claim: Claim) -> None:
+        """Mark a claimed shard stale (dropped untrained; kept on disk as <name>.stale)."""
+        try:
+            os.rename(claim.path, os.path.join(self.root, claim.name + ".stale"))
+        except FileNotFoundError:
+            raise LeaseExpiredError(f"cannot set aside {claim.name}: its lease ({self.lease_s}s) expired") from None
+
     def release_expired(self) -> int:
         """Return claimed shards whose lease ran out (consumer died or stalled); how many."""
         released = 0
@@ -284,6 +292,23 @@ class ExperienceBuffer:
             _fsync_dir(self.root)
         return moved
 
+    def reopen(self, producer: int, from_step: int) -> list[str]:
+        """Return `producer`'s shards of step >= `from_step` that were consumed, claimed or set
+        aside as stale to the pool. A trainer resumed from the checkpoint of step `from_step`
+        trains those steps again; with `sync.offset` the explorer wrote them before its own
+        checkpoint, so it does not write them again (rft/schedule.py). Returns the ready names."""
+        reopened = []
+        for name in sorted(os.listdir(self.root)):
+            m = re.match(r"^(step(\d{8,})-p(\d{3,})\.(?:parquet|arrow))\.(?:done|stale|claimed-c\d+)$", name)
+            if not m or int(m.group(3)) != producer or int(m.group(2)) < from_step:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(os.path.join(self.root, name), os.path.join(self.root, m.group(1)))
+                reopened.append(m.group(1))
+        if reopened:
+            _fsync_dir(self.root)
+        return reopened
+
     # ---- inspection ------------------------------------------------------------------------
 
     def pending(self) -> list[str]:
@@ -293,6 +318,11 @@ class ExperienceBuffer:
     def consumed(self) -> list[str]:
         """Committed shard names (without the .done suffix), oldest first."""
         names = [n[: -len(".done")] for n in os.listdir(self.root) if n.endswith(".done")]
+        return sorted((n for n in names if _READY.match(n)), key=_sort_key)
+
+    def stale(self) -> list[str]:
+        """Shard names set aside as stale (without the .stale suffix), oldest first."""
+        names = [n[: -len(".stale")] for n in os.listdir(self.root) if n.endswith(".stale")]
         return sorted((n for n in names if _READY.match(n)), key=_sort_key)
 
     def _list_claimed(self) -> list[str]:

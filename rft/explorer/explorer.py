@@ -2,11 +2,13 @@
 
     for each stage:
         evaluate (stage start)
-        for each step:
+        for each step e:
             if the stage learns from rollouts (GRPO):
                 rows = workflow(engine, cursor.next_batch())  # vLLM, reward
                 buffer.write(rows, version=engine.version)
-            engine.receive_weights()                          # trainer's next version
+            for each trainer step t paired with e:            # rft/schedule.py (sync.offset)
+                vote at t's control point (stop? checkpoint?)
+                engine.receive_weights() if the trainer publishes after t
         evaluate (stage end)
 """
 
@@ -22,12 +24,13 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, save_rank_state
 from rft.cluster import RankInfo, engine_span, sync_layout
-from rft.config import RFTConfig, is_eval_step, needs_rollouts, stage_configs, syncs_after_step
+from rft.config import RFTConfig, needs_rollouts, stage_configs
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflow import evaluate, run_filtered, run_single_turn
 from rft.monitor import Monitor, append_jsonl, drop_from_step, eval_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
+from rft.schedule import is_eval_step, paired_trainer_steps, publishes_after
 
 
 def max_model_len(cfg: RFTConfig) -> int:
@@ -47,9 +50,11 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
     stop.install()
     startup_s = time.time() - t_start  # overlaps the trainer's first steps
     saved = resume.load(info.rank) if resume else None
-    monitor = Monitor(run_dir, f"rollout{info.rank}", resume.done if resume else None)
-    if resume:
-        drop_from_step(eval_path(run_dir), resume.done)
+    # with sync.offset this rank saved ahead of the trainer: its own step is where it resumes
+    resumed_at = saved["global_step"] if saved else None
+    monitor = Monitor(run_dir, f"rollout{info.rank}", resumed_at)
+    if saved:
+        drop_from_step(eval_path(run_dir), resumed_at)
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
     global_step, joined = (saved["global_step"], False) if saved else (0, False)
     totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": 0.0}
@@ -82,11 +87,14 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
         cursor = None
         if needs_rollouts(stage):
             cursor = TaskCursor(read_stage_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
-        first_step, pending = 0, None
+        first_step, pending, voted = 0, None, None
+        stage_start = global_step  # global steps done before this stage (the same count for the trainer)
         if saved and stage_index == saved["stage_index"]:
             if cursor is not None:
                 cursor.load_state_dict(saved["cursor"])
-            first_step, pending, saved = saved["step"], saved["scalars"], None
+            first_step, pending, voted = saved["step"], saved["scalars"], saved.get("voted", saved["step"])
+            stage_start = saved["global_step"] - saved["step"] - 1
+            saved = None
         else:
             run_eval("start")
         for step in range(first_step, stage.trainer.max_steps):
@@ -117,26 +125,35 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
                                "perf/tokens_per_s": generated / max(t1 - t0, 1e-9),
                                "rollout/reward_errors": scorer.errors + scorer.timeouts, **filter_stats}
                 global_step += 1
-                # the control point, in step with the trainer's (rft/preemption.py)
-                stopping = control.any(stop.requested)
-                if stopping or (cfg.trainer.save_interval and global_step % cfg.trainer.save_interval == 0):
-                    save_rank_state(run_dir, global_step, info.rank, {
-                        "global_step": global_step, "stage_index": stage_index, "step": step,
-                        "cursor": cursor.state_dict() if cursor else None, "version": engine.version,
-                        "scalars": scalars, "totals": totals, "skipped": skipped,
-                        "reward_errors": reward_errors + scorer.errors + scorer.timeouts + eval_scorer.errors
-                        + eval_scorer.timeouts, "wall_s": prior_wall_s + time.time() - t_start})
-                    control.any(False)  # every rank's file is written: the checkpoint is complete
-                    if stopping:
-                        monitor.close()
-                        requeue_or_stop(control, stop, run_dir, global_step, cfg.cluster.max_requeues)
             t3 = time.time()
-            if syncs_after_step(cfg, stage, global_step, step):
-                if not joined:  # the trainer opens the groups at its first sync, not before
-                    engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
-                                                info.role_rank // engine_span(cfg) * cfg.rollout.tensor_parallel_size)
-                    joined = True
-                scalars["timing/weight_apply_s"] = engine.receive_weights()
+            for t in paired_trainer_steps(cfg, stage, step):
+                if voted is not None and t <= voted:  # resumed: voted (and saved) before the checkpoint
+                    if t < voted:
+                        continue
+                else:
+                    # the control point, in step with the trainer's step t (rft/preemption.py)
+                    stopping = control.any(stop.requested)
+                    done = stage_start + t + 1  # the trainer's global steps: what the checkpoint is named by
+                    if stopping or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
+                        save_rank_state(run_dir, done, info.rank, {
+                            "global_step": global_step, "stage_index": stage_index, "step": step, "voted": t,
+                            "cursor": cursor.state_dict() if cursor else None, "version": engine.version,
+                            "scalars": scalars, "totals": totals, "skipped": skipped,
+                            "reward_errors": reward_errors + scorer.errors + scorer.timeouts
+                            + eval_scorer.errors + eval_scorer.timeouts,
+                            "wall_s": prior_wall_s + time.time() - t_start})
+                        control.any(False)  # every rank's file is written: the checkpoint is complete
+                        if stopping:
+                            monitor.close()
+                            requeue_or_stop(control, stop, run_dir, done, cfg.cluster.max_requeues)
+                if publishes_after(cfg, stage, stage_start, t):
+                    if not joined:  # the trainer opens the groups at its first sync, not before
+                        engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
+                                                    info.role_rank // engine_span(cfg)
+                                                    * cfg.rollout.tensor_parallel_size)
+                        joined = True
+                    scalars["timing/weight_apply_s"] = engine.receive_weights()
+            voted = None
             totals["sync_wait_s"] += time.time() - t3
             if scalars:
                 monitor.log(global_step, scalars, stage_name)

@@ -4,7 +4,7 @@
         for each step:
             batch = experience from the buffer (GRPO)  or  reference answers (SFT)
             train_step(model, optimizer, batch)
-            publish weights when the sync schedule says so   # the explorer blocks on this
+            publish weights when the sync schedule says so   # rft/schedule.py
 """
 
 from __future__ import annotations
@@ -20,15 +20,19 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, prune, save_rank_state, set_rng_state
 from rft.cluster import RankInfo, sync_layout
-from rft.config import RFTConfig, needs_rollouts, stage_configs, syncs_after_step, wire_dtype
+from rft.config import RFTConfig, needs_rollouts, stage_configs, wire_dtype
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
+from rft.schedule import publishes_after
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.train_step import StepBatch, train_step
 from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
 from rft.weights.engines import CheckpointSender, make_sender
+
+
+STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
 
 
 def experience_batch(table, group_size: int) -> tuple[StepBatch, dict[str, float]]:
@@ -84,10 +88,11 @@ class ExperienceReader:
         waited = self.claim.waited_s if self.claim else 0.0
         return payload[0], waited, time.time() - start - waited
 
-    def commit(self) -> float:
+    def commit(self, stale: bool = False) -> float:
+        """Mark the step's shard consumed, or with `stale` set it aside untrained."""
         start = time.time()
         if self.claim is not None:
-            self.buffer.commit(self.claim)
+            (self.buffer.set_aside_stale if stale else self.buffer.commit)(self.claim)
             self.claim = None
         return time.time() - start
 
@@ -113,9 +118,9 @@ class WeightPublisher:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
 
-    def publish(self, model) -> int:
-        """Bump the version and send it; returns payload bytes sent by this rank."""
-        self.version += 1
+    def publish(self, model, version: int) -> int:
+        """Send the weights as `version` (trainer steps done); returns payload bytes sent by this rank."""
+        self.version = version
         if not self.exports:
             return 0
         tensors = export_hf_weights(model, self.geo)
@@ -178,7 +183,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
     global_step = saved["global_step"] if saved else 0
-    totals = saved["totals"] if saved else {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0}
+    totals = {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0, "stale_dropped": 0, "stale_reweighted": 0}
+    totals.update(saved["totals"] if saved else {})
     skipped: dict[str, int] = saved["skipped"] if saved else {}
     prior_wall_s = saved["wall_s"] if saved else 0.0
     if saved:
@@ -217,27 +223,38 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             if pending is not None:  # resumed: this step trained before the checkpoint
                 scalars, pending = pending, None
             else:
-                scalars = {}
+                scalars, step_algo, drop = {}, algo, False
                 if cursor is None:
                     table, waited, io_s = reader.next_table()
                     t1 = time.time()  # preparing the batch counts as training
                     batch, scalars = experience_batch(table, algo.group_size)
-                    scalars["policy/version_lag"] = publisher.version - int(table.column("version")[0].as_py())
+                    lag = global_step - int(table.column("version")[0].as_py())  # trainer steps since its weights
+                    scalars["policy/version_lag"] = lag
                     scalars["timing/wait_s"] = waited
                     totals["wait_s"] += waited
+                    if cfg.buffer.max_staleness is not None and lag > cfg.buffer.max_staleness:
+                        drop = cfg.buffer.stale == "drop"
+                        totals[f"stale_{'dropped' if drop else 'reweighted'}"] += 1
+                        if not drop:  # off-policy correction against the logprobs vLLM sampled with
+                            step_algo = replace(algo, tis_cap=algo.tis_cap or STALE_TIS_CAP)
+                    scalars["buffer/stale_dropped"] = totals["stale_dropped"]
+                    scalars["buffer/stale_reweighted"] = totals["stale_reweighted"]
                 else:
                     t1, io_s = time.time(), 0.0
                     make_batch = preference_batch if is_dpo else sft_batch
                     batch = make_batch(cursor, stage.trainer.sft_batch_size, tokenizer, cfg.model.chat_template)
-                if is_dpo:
+                if drop:  # the step passes without an update: the schedule (syncs, votes) goes on
+                    metrics = {"train/tokens": 0.0}
+                elif is_dpo:
                     metrics = dpo_step(model, optimizer, ref_model, batch, algo, stage.trainer.micro_batch_size,
                                        pad_id)
                 else:
-                    metrics = train_step(model, optimizer, batch, algo, stage.trainer.micro_batch_size, pad_id,
+                    metrics = train_step(model, optimizer, batch, step_algo, stage.trainer.micro_batch_size, pad_id,
                                          ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens)
-                scheduler.step()
+                if not drop:
+                    scheduler.step()
                 t2 = time.time()
-                io_s += reader.commit()
+                io_s += reader.commit(stale=drop)
                 if cursor is None:
                     scalars["timing/buffer_read_s"] = io_s
                 global_step += 1
@@ -266,7 +283,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                             monitor.close()
                         requeue_or_stop(control, stop, run_dir, global_step, cfg.cluster.max_requeues)
             t3 = time.time()
-            sent = publisher.publish(model) if syncs_after_step(cfg, stage, global_step, step) else 0
+            publish = publishes_after(cfg, stage, global_step - step - 1, step)
+            sent = publisher.publish(model, global_step) if publish else 0
             t4 = time.time()
             totals["sync_s"] += t4 - t3
             if monitor is None:

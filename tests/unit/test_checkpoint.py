@@ -59,3 +59,24 @@ def test_roll_back_sets_aside_one_producers_shards_from_a_step_on(tmp_path):
     # the resumed producer can write step 1 again
     buf.write({"reward": [0.5]}, step=1, producer=1, version=1)
     assert "step00000001-p001.parquet" in buf.pending()
+
+
+def test_reopen_returns_shards_the_trainer_took_after_its_checkpoint(tmp_path):
+    """With sync.offset the explorer's checkpoint holds shards the trainer's does not: on resume
+    those go back to the pool, whether consumed, set aside as stale or still claimed."""
+    buf = ExperienceBuffer(str(tmp_path / "buffer"))
+    for step in range(5):
+        buf.write({"reward": [float(step)]}, step=step, producer=0, version=0)
+    buf.commit(buf.claim(consumer=0, timeout_s=1))  # step 0: trained before the trainer's checkpoint
+    buf.commit(buf.claim(consumer=0, timeout_s=1))  # step 1: trained after it
+    buf.set_aside_stale(buf.claim(consumer=0, timeout_s=1))  # step 2: dropped as stale after it
+    buf.claim(consumer=0, timeout_s=1)  # step 3: claimed when the job died
+    assert buf.stale() == ["step00000002-p000.parquet"]
+
+    reopened = buf.reopen(producer=0, from_step=1)
+    assert reopened == [f"step{s:08d}-p000.parquet" for s in (1, 2, 3)]
+    assert buf.consumed() == ["step00000000-p000.parquet"] and buf.stale() == []
+    assert buf.pending() == [f"step{s:08d}-p000.parquet" for s in range(1, 5)]
+    again = buf.claim(consumer=0, timeout_s=1)  # the bytes still match the manifest
+    assert again.name == "step00000001-p000.parquet" and again.table.column("reward").to_pylist() == [1.0]
+    assert buf.reopen(producer=1, from_step=0) == []  # another producer's shards: none

@@ -1,7 +1,8 @@
 """A run killed without warning (node failure: every process SIGKILLed) and launched again with the
 same output dir resumes from its newest periodic checkpoint and ends as an uninterrupted run would:
 experience written after the checkpoint is set aside and produced again, each shard is consumed
-once, and TensorBoard shows each step once."""
+once, and TensorBoard shows each step once. With `sync.offset` the explorer's checkpoint is ahead of
+the trainer's: the shards between them are kept (returned to the pool if the trainer took them)."""
 
 import json
 import os
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from rft.buffer.shards import ExperienceBuffer
 from tests.e2e.helpers import REPO, launch, tensorboard_scalars
 
@@ -17,11 +20,13 @@ SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
 
 
-def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path):
+@pytest.mark.parametrize("offset", [0, 2])
+def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, offset):
     run_dir = tmp_path / "run"
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
                  f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
-                 f"stages.1.trainer.max_steps={GRPO_STEPS}"]
+                 f"stages.1.trainer.max_steps={GRPO_STEPS}", f"sync.offset={offset}"]
+    explorer_saved = CHECKPOINT + offset  # shards [0, explorer_saved) are in the explorer's checkpoint
     first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -45,7 +50,7 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path):
             pass
     buffer = ExperienceBuffer(str(run_dir / "buffer"))
     written_after_checkpoint = [n for n in os.listdir(buffer.root) if n.startswith("step")
-                                and int(n[4:12]) >= CHECKPOINT]
+                                and int(n[4:12]) >= explorer_saved]
     assert written_after_checkpoint, "the kill came before any experience past the checkpoint"
 
     result = launch(*overrides)
@@ -54,12 +59,14 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path):
         log = next((run_dir / "logs").glob(f"*_{rank}_log.out"), None)
         logs = "".join(p.read_text() for p in (run_dir / "logs").glob(f"*_{rank}_log.out"))
         assert log is not None and f"checkpoints/step{CHECKPOINT:08d} ({CHECKPOINT} steps done)" in logs
+        if rank == 1 and offset:  # the trainer had trained CHECKPOINT, CHECKPOINT + 1 after its checkpoint
+            assert f"ready again (steps {CHECKPOINT} to {explorer_saved - 1})" in logs
         summary = json.loads((run_dir / "metrics" / f"summary-rank{rank}.json").read_text())
         assert summary["steps"] == SFT_STEPS + GRPO_STEPS
 
     assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(SFT_STEPS, SFT_STEPS + GRPO_STEPS)]
     assert buffer.pending() == []
-    set_aside = os.listdir(run_dir / "buffer" / "rolled_back" / f"resume0-step{CHECKPOINT:08d}")
+    set_aside = os.listdir(run_dir / "buffer" / "rolled_back" / f"resume0-step{explorer_saved:08d}")
     assert sorted(n.split(".")[0] for n in set_aside) == sorted(n.split(".")[0] for n in written_after_checkpoint)
 
     scalars = tensorboard_scalars(str(run_dir))

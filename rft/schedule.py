@@ -38,13 +38,14 @@ def stage_offset(cfg: RFTConfig, stage: RFTConfig) -> int:
     return cfg.sync.offset if needs_rollouts(stage) else 0
 
 
-def publishes_after(cfg: RFTConfig, stage: RFTConfig, stage_start: int, t: int) -> bool:
+def publishes_after(cfg: RFTConfig, stage: RFTConfig, stage_start: int, t: int, resumed: bool = False) -> bool:
     """Whether the trainer sends its weights after its stage step `t` (`stage_start`: global
-    steps done before the stage)."""
+    steps done before the stage). `resumed`: `t` is the step a restarted job resumes at; a
+    restarted explorer holds the initial weights, so it always gets the trainer's."""
     if cfg.mode in ("train", "explore"):  # one side only: no weights move
         return False
     steps = stage.trainer.max_steps
-    if t + 1 == steps:
+    if t + 1 == steps or resumed:
         return True
     if not needs_rollouts(stage):
         return is_eval_step(cfg, stage_start + t + 1, t, steps)

@@ -146,7 +146,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
                         if stopping:
                             monitor.close()
                             requeue_or_stop(control, stop, run_dir, done, cfg.cluster.max_requeues)
-                if publishes_after(cfg, stage, stage_start, t):
+                if publishes_after(cfg, stage, stage_start, t, resumed=t == voted):
                     if not joined:  # the trainer opens the groups at its first sync, not before
                         engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
                                                     info.role_rank // engine_span(cfg)

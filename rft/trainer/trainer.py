@@ -220,7 +220,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             saved = None
         step_start = time.time()
         for step in range(first_step, stage.trainer.max_steps):
-            if pending is not None:  # resumed: this step trained before the checkpoint
+            resumed = pending is not None
+            if resumed:  # this step trained before the checkpoint
                 scalars, pending = pending, None
             else:
                 scalars, step_algo, drop = {}, algo, False
@@ -283,7 +284,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                             monitor.close()
                         requeue_or_stop(control, stop, run_dir, global_step, cfg.cluster.max_requeues)
             t3 = time.time()
-            publish = publishes_after(cfg, stage, global_step - step - 1, step)
+            publish = publishes_after(cfg, stage, global_step - step - 1, step, resumed)
             sent = publisher.publish(model, global_step) if publish else 0
             t4 = time.time()
             totals["sync_s"] += t4 - t3

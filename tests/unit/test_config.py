@@ -51,6 +51,10 @@ def test_unknown_key_in_stage_override_names_the_stage(tmp_path):
     ("model.dtype=int8", "model.dtype"),
     ("buffer.format=csv", "buffer.format"),
     ("trainer.tensor_parallel_size=3", "trainer.tensor_parallel_size"),
+    ("sync.interval=0", "sync.interval"),
+    ("sync.offset=-1", "sync.offset"),
+    ("buffer.max_staleness=-2", "buffer.max_staleness"),
+    ("buffer.stale=keep", "buffer.stale"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, key):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",

@@ -1,0 +1,61 @@
+"""Wall time per GRPO step of the quickstart, synchronous against pipelined/asynchronous schedules.
+
+    python tools/bench_async.py [--sft-steps 200] [--grpo-steps 20] [--settings 0:1 1:1 2:2] [-- overrides]
+
+Each setting `offset:interval` runs the real quickstart (`python -m rft.launch`, an SFT warm-up
+so responses look like a trained model's, then GRPO) with `sync.offset` and `sync.interval`, and
+reads the trainer's logged step times. A step is measured on the trainer from the end of one step
+to the end of the next; the first two GRPO steps are left out (stage-start eval, pipeline fill).
+Prints one JSON object per setting: mean step seconds, speed-up over the first setting, and the
+mean and max `policy/version_lag` (trainer steps between the weights that generated a shard and
+its training step). Where the roles share few cores (a laptop, CI) overlap buys little: both
+compete for the same cores; on a GPU node each role has its own devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from rft.monitor import read_jsonl  # noqa: E402
+
+
+def run(sft_steps: int, grpo_steps: int, offset: int, interval: int, out: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=local", f"run.output_dir={out}",
+           "monitor.progress=false", "monitor.eval_interval=0", f"stages.0.trainer.max_steps={sft_steps}",
+           f"stages.1.trainer.max_steps={grpo_steps}", f"sync.offset={offset}", f"sync.interval={interval}", *extra]
+    print("running:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    rows = [r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl")) if r["stage"] == "grpo"][2:]
+    step_s = [r["timing/step_s"] for r in rows]
+    lags = [r["policy/version_lag"] for r in rows]
+    return {"offset": offset, "interval": interval, "steps_measured": len(rows),
+            "step_s": sum(step_s) / len(step_s), "version_lag_mean": sum(lags) / len(lags), "version_lag_max": max(lags)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sft-steps", type=int, default=200)
+    parser.add_argument("--grpo-steps", type=int, default=20)
+    parser.add_argument("--settings", nargs="+", default=["0:1", "1:1", "2:2"], help="offset:interval pairs")
+    parser.add_argument("overrides", nargs="*", help="more launcher overrides for every run, e.g. trainer.threads=1")
+    args = parser.parse_args()
+    baseline = None
+    for setting in args.settings:
+        offset, interval = (int(x) for x in setting.split(":"))
+        result = run(args.sft_steps, args.grpo_steps, offset, interval, tempfile.mkdtemp(prefix="rft-bench-async-"),
+                     args.overrides)
+        baseline = baseline or result["step_s"]
+        result["speedup"] = baseline / result["step_s"]
+        print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

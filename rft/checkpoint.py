@@ -1,7 +1,7 @@
 """Run checkpoints: every rank writes its own state file for the same step; a checkpoint is
 complete when all ranks' files exist. A (re)started job resumes from the newest complete one.
 
-    <run>/checkpoints/step00000123/rank0.pt ... rank<W-1>.pt   (world W = trainer + rollout ranks)
+    <run>/checkpoints/step00000123/rank0.pt ... rank<W-1>.pt   (trainer ranks, engine leaders)
     <run>/checkpoints/requeues.json                            (how often the job requeued itself)
 
 `step00000123` means 123 steps are done and the weight sync of the 123rd is still to come: ranks
@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,8 +60,8 @@ def _step_dirs(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def _complete(step_dir: str, world: int) -> bool:
-    return all(os.path.exists(_rank_file(step_dir, r)) for r in range(world))
+def _complete(step_dir: str, ranks: Sequence[int]) -> bool:
+    return all(os.path.exists(_rank_file(step_dir, r)) for r in ranks)
 
 
 @dataclass(frozen=True)
@@ -74,18 +75,18 @@ class Resume:
         return torch.load(_rank_file(self.step_dir, rank), weights_only=False)
 
 
-def newest_complete(run_dir: str, world: int) -> Resume | None:
-    """The newest checkpoint every rank finished writing (a crash mid-save leaves an incomplete
-    one, which is skipped)."""
+def newest_complete(run_dir: str, ranks: Sequence[int]) -> Resume | None:
+    """The newest checkpoint every saving rank (rft.cluster.voting_ranks) finished writing (a
+    crash mid-save leaves an incomplete one, which is skipped)."""
     for done, step_dir in reversed(_step_dirs(run_dir)):
-        if _complete(step_dir, world):
+        if _complete(step_dir, ranks):
             return Resume(done, step_dir)
     return None
 
 
-def prune(run_dir: str, world: int, keep: int) -> None:
+def prune(run_dir: str, ranks: Sequence[int], keep: int) -> None:
     """Delete all but the newest `keep` complete checkpoints (and incomplete ones older than them)."""
-    complete = [(d, p) for d, p in _step_dirs(run_dir) if _complete(p, world)]
+    complete = [(d, p) for d, p in _step_dirs(run_dir) if _complete(p, ranks)]
     if len(complete) <= keep:
         return
     oldest_kept = complete[-keep][0]

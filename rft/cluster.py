@@ -113,10 +113,14 @@ def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:
     return info.role == "rollout" and info.role_rank % engine_span(cfg) != 0
 
 
+def voting_ranks(cfg: RFTConfig, trainer_ranks: int, world_size: int) -> list[int]:
+    """Global ranks that run a loop, vote at each step and save checkpoint files: trainer ranks
+    and engine leaders (an engine's followers only hold GPUs)."""
+    return list(range(trainer_ranks)) + list(range(trainer_ranks, world_size, engine_span(cfg)))
+
+
 def control_members(cfg: RFTConfig, info: RankInfo) -> list[int]:
-    """Global ranks that run a loop and vote at each step: trainer ranks and engine leaders."""
-    span = engine_span(cfg)
-    return list(range(info.trainer_ranks)) + list(range(info.trainer_ranks, info.world_size, span))
+    return voting_ranks(cfg, info.trainer_ranks, info.world_size)
 
 
 def engine_devices(cfg: RFTConfig) -> str:

@@ -66,7 +66,7 @@ def run_rank(config: dict, master_port: int) -> dict:
     try:
         stop = StopFlag()
         stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
-        resume = newest_complete(cfg.run.output_dir, info.world_size)
+        resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
         if resume is not None:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
             if info.role == "rollout":

@@ -36,6 +36,7 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     from rich.table import Table
 
     from rft.checkpoint import newest_complete
+    from rft.cluster import voting_ranks
     from rft.config import stage_configs
     from rft.report import console
 
@@ -60,7 +61,9 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
                                       for n, s in stage_configs(cfg)))
     table.add_row("output dir", cfg.run.output_dir)
-    resume = newest_complete(cfg.run.output_dir, t + r)
+    saving_t = 0 if cfg.mode == "explore" else t  # the ranks rft/job.py starts in this mode
+    saving = voting_ranks(cfg, saving_t, saving_t + (0 if cfg.mode == "train" else r))
+    resume = newest_complete(cfg.run.output_dir, saving)
     if resume is not None:
         table.add_row("resume", f"from {resume.step_dir} ({resume.done} steps done)")
     table.add_row("logs", log_dir)

@@ -64,7 +64,7 @@ class ControlGroup:
     """One gloo group over the ranks that vote (trainer ranks, engine leaders): the stop vote, barriers."""
 
     def __init__(self, info: RankInfo, members: list[int], timeout_s: float):
-        self.info, self.timeout = info, datetime.timedelta(seconds=timeout_s)
+        self.info, self.members, self.timeout = info, members, datetime.timedelta(seconds=timeout_s)
         self.store = _control_store(info, self.timeout)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), members.index(info.rank),
                                         len(members), self.timeout)

@@ -278,7 +278,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                         publisher.export_hf(model, global_step, os.path.join(run_dir, "checkpoints", "hf"))
                     control.any(False)  # every rank's file is written: the checkpoint is complete
                     if info.rank == 0:
-                        prune(run_dir, info.world_size, cfg.trainer.keep_checkpoints)
+                        prune(run_dir, control.members, cfg.trainer.keep_checkpoints)
                     if stopping:
                         if monitor is not None:
                             monitor.close()

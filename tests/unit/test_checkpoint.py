@@ -11,16 +11,16 @@ from rft.checkpoint import newest_complete, prune, record_requeue, requeue_count
 
 def test_newest_complete_skips_a_checkpoint_a_rank_did_not_finish(tmp_path):
     run = str(tmp_path)
-    assert newest_complete(run, world=2) is None
+    assert newest_complete(run, ranks=[0, 1]) is None
     for rank in (0, 1):
         save_rank_state(run, 10, rank, {"global_step": 10, "rank": rank})
     save_rank_state(run, 20, 0, {"global_step": 20})  # rank 1 died while saving step 20
-    resume = newest_complete(run, world=2)
+    resume = newest_complete(run, ranks=[0, 1])
     assert resume.done == 10
     assert resume.load(1) == {"global_step": 10, "rank": 1}
     save_rank_state(run, 20, 1, {"global_step": 20, "w": torch.ones(2)})
-    assert newest_complete(run, world=2).done == 20
-    assert torch.equal(newest_complete(run, world=2).load(1)["w"], torch.ones(2))
+    assert newest_complete(run, ranks=[0, 1]).done == 20
+    assert torch.equal(newest_complete(run, ranks=[0, 1]).load(1)["w"], torch.ones(2))
 
 
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
@@ -29,7 +29,7 @@ def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):
         for rank in (0, 1):
             save_rank_state(run, done, rank, {})
     save_rank_state(run, 20, 0, {})  # incomplete, newer: kept (it may still be being written)
-    prune(run, world=2, keep=2)
+    prune(run, ranks=[0, 1], keep=2)
     assert sorted(os.listdir(os.path.join(run, "checkpoints"))) == ["step00000010", "step00000015", "step00000020"]
 
 

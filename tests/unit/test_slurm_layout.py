@@ -110,6 +110,12 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
     layout = sync_layout(cfg, info, on_gpu=True)
     assert layout.receiver_names == [f"rollout rank 24 worker {w}" for w in range(8)]
     assert layout.sender_ranks == [0]
+    # followers save no checkpoint file: a checkpoint of the voting ranks is complete without them
+    from rft.checkpoint import newest_complete, save_rank_state
+
+    for rank in control_members(cfg, info):
+        save_rank_state(str(tmp_path / "run"), 5, rank, {"rank": rank})
+    assert newest_complete(str(tmp_path / "run"), control_members(cfg, info)).done == 5
 
 
 @pytest.mark.parametrize("rollout_tp, trainer_ranks, rollout_ranks, message", [

@@ -116,7 +116,7 @@ class TrainerConfig:
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
-    threads: int = 0  # torch CPU threads per rank (0: all cores; roles take turns when synchronous)
+    threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
     save_interval: int = 0  # checkpoint every N global steps (0: only when Slurm signals the time limit)
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints

@@ -58,7 +58,10 @@ def run_rank(config: dict, master_port: int) -> dict:
     print(f"rank {info.rank}/{info.world_size}: {info.role} (role rank {info.role_rank})", flush=True)
     import torch
 
-    threads = cfg.trainer.threads or max(1, (os.cpu_count() or 1))
+    # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe
+    # shared cores (measured on 2 cores, tools/bench_async.py: all cores each 0.72 s/step, half 0.33)
+    cores = os.cpu_count() or 1
+    threads = cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset else cores)
     torch.set_num_threads(threads)
     from rft.checkpoint import newest_complete
     from rft.preemption import ControlGroup, StopFlag, hold_until_finished

@@ -135,7 +135,7 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
         if rank == 0:
             with open(os.path.join(scratch, f"t0_{k}"), "w") as f:
                 f.write(repr(time.time()))
-        total[0] = publisher.publish(model)
+        total[0] = publisher.publish(model, k + 1)
     dist.all_reduce(total)
     if rank == 0:
         with open(os.path.join(scratch, "bytes"), "w") as f:

@@ -59,8 +59,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
         torch.save({"logprobs": logprobs[0].cpu(), "mask": mb.loss_mask.cpu()}, out)
     publisher = WeightPublisher(cfg, _info(cfg, rank, port + 10), geo)
-    publisher.version = 6
-    publisher.publish(model)  # version 7
+    publisher.publish(model, 7)
 
 
 def _vllm_logprobs(engine) -> list[list[float]]:

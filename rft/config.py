@@ -67,7 +67,7 @@ class AlgorithmConfig:
     dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
 
     name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (rft/algorithms/advantages.py)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) (rft/algorithms/advantages.py)
     policy_loss: str = "ppo"  # ppo | gspo | cispo | sft | dpo (rft/algorithms/policy_losses.py); sft, dpo: no rollouts
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
@@ -81,6 +81,8 @@ class AlgorithmConfig:
     norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
     gamma: float = 1.0  # discount (reinforce_pp, gae)
     lam: float = 1.0  # GAE lambda
+    critic_lr: float = 1e-5  # gae: AdamW learning rate of the critic (value model, rft/trainer/critic.py)
+    value_clip: Optional[float] = 0.2  # gae: the critic's values move at most this far from V_old per step; None: off
     kl_coef: float = 0.0  # weight of the KL to a frozen reference model (0: no reference)
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (rft/algorithms/kl.py)
     kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
@@ -309,10 +311,10 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
             registry.resolve(getattr(algo, key))
         except ValueError as err:
             config_error(f"{prefix}algorithm.{key}", getattr(algo, key), str(err))
-    if algo.advantage == "gae":
-        config_error(f"{prefix}algorithm.advantage", algo.advantage,
-                     "GAE needs a critic (PPO's value model), which is not built yet; use grpo, dr_grpo, "
-                     "rloo or reinforce_pp")
+    if algo.critic_lr <= 0:
+        config_error(f"{prefix}algorithm.critic_lr", algo.critic_lr, "the critic's learning rate must be positive")
+    if algo.value_clip is not None and algo.value_clip <= 0:
+        config_error(f"{prefix}algorithm.value_clip", algo.value_clip, "use a positive value, e.g. 0.2, or null (no clip)")
     if algo.name == "sft" and algo.policy_loss != "sft":
         config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                      "algorithm.name=sft trains on reference answers: set algorithm.policy_loss=sft too")
@@ -479,3 +481,8 @@ def needs_rollouts(stage: RFTConfig) -> bool:
     """Whether a stage learns from the explorer's rollouts (else it trains from a dataset)."""
     return stage.algorithm.policy_loss not in ("sft", "dpo")
 
+
+def needs_critic(stage: RFTConfig) -> bool:
+    """Whether a stage trains a critic: GAE on rollouts. A dataset stage (sft, dpo) never does, even
+    when it inherits advantage=gae from a top-level `algorithm=ppo`: it computes no advantages."""
+    return needs_rollouts(stage) and stage.algorithm.advantage == "gae"

@@ -46,8 +46,12 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_gpt_model(hf_path: str, dtype: str = "float32"):
-    """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry)."""
+def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None):
+    """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
+
+    `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
+    untied so its output layer (a value head) is its own and the PP embedding group leaves it alone.
+    """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -107,7 +111,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32"):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
         parallel_output=True,
-        share_embeddings_and_output_weights=geo.tied_embeddings,
+        share_embeddings_and_output_weights=geo.tied_embeddings if tie_embeddings is None else tie_embeddings,
         position_embedding_type="rope",
         rotary_base=geo.rope_theta,
     )

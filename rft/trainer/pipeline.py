@@ -17,8 +17,16 @@ import torch.distributed as dist
 
 from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward
 
-# (microbatch index, microbatch, logprobs [b, s-1], entropy or None) -> scalar loss to backward
-LossFn = Callable[[int, Microbatch, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+# (microbatch index, microbatch, *head outputs) -> scalar loss to backward; with the default head
+# the outputs are (logprobs [b, s-1], entropy or None)
+LossFn = Callable[..., torch.Tensor]
+# the last stage's model output and its microbatch -> what the loss (or the caller) takes: the
+# policy's head turns logits into logprobs, the critic's (rft/trainer/critic.py) reads values
+Head = Callable[[torch.Tensor, Microbatch], tuple]
+
+
+def logprobs_head(with_entropy: bool = True) -> Head:
+    return lambda logits, mb: logprobs_from_logits(logits, mb, with_entropy)
 
 
 def _stage():
@@ -47,15 +55,17 @@ def _send(tensor: torch.Tensor, peer: int) -> None:
     dist.isend(tensor.detach().contiguous(), dst=peer).wait()
 
 
-def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy: bool = True) -> None:
-    """Accumulate gradients of sum(loss_fn(...)) over `mbs` (loss_fn runs on the last stage)."""
+def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy: bool = True,
+                     head: Head | None = None) -> None:
+    """Accumulate gradients of sum(loss_fn(m, mb, *head(output, mb))) over `mbs` (loss_fn runs on
+    the last stage); the default head gives logprobs and entropy (unless `with_entropy` is False)."""
     from megatron.core import parallel_state as ps
 
+    head = head or logprobs_head(with_entropy)
     pp, first, last = _stage()
     if pp == 1:
         for m, mb in enumerate(mbs):
-            logits = _run_model(model, mb, None)
-            loss_fn(m, mb, *logprobs_from_logits(logits, mb, with_entropy)).backward()
+            loss_fn(m, mb, *head(_run_model(model, mb, None), mb)).backward()
         return
     param = next(model.parameters())
     prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
@@ -67,7 +77,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
             hidden_in.requires_grad_(True)
         out = _run_model(model, mb, hidden_in)
         if last:
-            out = loss_fn(m, mb, *logprobs_from_logits(out, mb, with_entropy))
+            out = loss_fn(m, mb, *head(out, mb))
         else:
             _send(out, nxt)
         kept.append((hidden_in, out))
@@ -80,9 +90,15 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
             _send(hidden_in.grad, prev)
 
 
-@torch.no_grad()
 def forward_logprobs_pipelined(model, mbs: list[Microbatch]) -> list[torch.Tensor] | None:
     """Per-target logprobs of each microbatch; returned on the last stage, None elsewhere."""
+    return forward_pipelined(model, mbs, lambda logits, mb: logprobs_from_logits(logits, mb, with_entropy=False)[0])
+
+
+@torch.no_grad()
+def forward_pipelined(model, mbs: list[Microbatch], head: Callable[[torch.Tensor, Microbatch], torch.Tensor]
+                      ) -> list[torch.Tensor] | None:
+    """head(output, mb) of each microbatch, without gradients; returned on the last stage, None elsewhere."""
     from megatron.core import parallel_state as ps
 
     _, first, last = _stage()
@@ -95,7 +111,7 @@ def forward_logprobs_pipelined(model, mbs: list[Microbatch]) -> list[torch.Tenso
                               ps.get_pipeline_model_parallel_prev_rank())
         result = _run_model(model, mb, hidden_in)
         if last:
-            out.append(logprobs_from_logits(result, mb, with_entropy=False)[0])
+            out.append(head(result, mb))
         else:
             _send(result, ps.get_pipeline_model_parallel_next_rank())
     return out if last else None

@@ -6,7 +6,9 @@ per-token losses into its share of the batch loss (counts over the whole batch, 
 microbatch layout gives the same loss), all-reduce gradients, clip, step. What the loss is comes
 from the algorithm registries (rft/algorithms/): advantage estimator (over the whole batch, before
 the split), policy loss, KL to a frozen reference (loss term or reward penalty), entropy bonus,
-aggregation, and truncated importance sampling against vLLM's logprobs.
+aggregation, and truncated importance sampling against vLLM's logprobs. With a critic
+(`advantage=gae`, rft/trainer/critic.py) its values feed the advantages and it takes its own step
+towards the returns after the policy's.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 
-from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs
+from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs, AdvantageOutputs
 from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
 from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
@@ -109,18 +111,19 @@ def _response_tensors(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
     return mask, _pad_rows(batch.old_logprobs, width)
 
 
-def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logprobs: torch.Tensor | None
-                     ) -> torch.Tensor:
+def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logprobs: torch.Tensor | None,
+                     values: torch.Tensor | None = None) -> AdvantageOutputs:
     """Token advantages [B, T_resp] over the whole batch (batch-normalising estimators such as
-    REINFORCE++ need every row); with `kl_mode=reward` the KL to the reference is a per-token
-    reward penalty, measured on vLLM's (behaviour) logprobs."""
+    REINFORCE++ need every row), and returns where the estimator gives them; with `kl_mode=reward`
+    the KL to the reference is a per-token reward penalty, measured on vLLM's (behaviour)
+    logprobs. `values`: the critic's response-aligned values (gae)."""
     mask, old = _response_tensors(batch)
     token_rewards = None
     if ref_response_logprobs is not None:
         token_rewards = kl_penalty_rewards(old, ref_response_logprobs, mask, algo.kl_estimator, algo.kl_coef)
     inputs = AdvantageInputs(rewards=torch.tensor(batch.rewards, dtype=torch.float32), group_size=batch.group_size,
-                             mask=mask, token_rewards=token_rewards)
-    return ADVANTAGES.resolve(algo.advantage)(inputs, algo).advantages
+                             mask=mask, values=values, token_rewards=token_rewards)
+    return ADVANTAGES.resolve(algo.advantage)(inputs, algo)
 
 
 def _sync_grads(model) -> None:
@@ -144,16 +147,17 @@ def _sync_grads(model) -> None:
 
 
 def backward_and_step(model, optimizer, mbs: list[Microbatch], loss_fn, sums: dict[str, float], grad_clip: float,
-                      with_entropy: bool = True) -> tuple[dict[str, float], float]:
+                      with_entropy: bool = True, head=None) -> tuple[dict[str, float], float]:
     """Forward/backward every microbatch (`loss_fn` adds its statistics to `sums`), sum gradients
     and statistics over DP (statistics also over PP: only the last stage computes losses), clip,
-    step. Returns (the summed statistics, the grad norm before clipping)."""
+    step. `head` turns the model's output into loss_fn's inputs (pipeline.forward_backward;
+    default: logprobs and entropy). Returns (the summed statistics, the grad norm before clipping)."""
     from megatron.core import parallel_state as ps
 
     _, dp_size, dp_group = _dp()
     model.train()
     optimizer.zero_grad(set_to_none=True)
-    forward_backward(model, mbs, loss_fn, with_entropy)
+    forward_backward(model, mbs, loss_fn, with_entropy, head)
     _sync_grads(model)
     stats = torch.tensor(list(sums.values()))
     if dp_size > 1:
@@ -175,9 +179,11 @@ def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) ->
 
 
 def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
-               pad_id: int, ref_model=None, norm_len: int = 1) -> dict[str, float]:
+               pad_id: int, ref_model=None, norm_len: int = 1, critic=None) -> dict[str, float]:
     """Forward/backward over microbatches (pipelined when PP > 1), then one optimizer step.
-    `norm_len` is the constant of the seq-mean-token-sum-norm aggregation (max response length)."""
+    `norm_len` is the constant of the seq-mean-token-sum-norm aggregation (max response length).
+    `critic` (rft.trainer.critic.Critic, RL batches only): its values before the update feed the
+    advantage estimator, its returns are the critic's targets, and it steps after the policy."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp_group = _dp()
@@ -205,14 +211,17 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
         all_rows = list(range(len(batch.prompt_ids)))
         all_chunks = [all_rows[s: s + micro_batch_size] for s in range(0, len(all_rows), micro_batch_size)]
         ref_all = forward_logprobs_pipelined(ref_model, pack(all_chunks))
-    advantages = rollout_old = trainer_old = None
+    # V_old of every row (a pipelined collective; on the last stage): GAE's input, the value clip's anchor
+    old_values = critic.values(batch, chunks, mbs) if is_rl and critic is not None else None
+    advantages = returns = rollout_old = trainer_old = None
     if is_rl and ps.is_pipeline_last_stage():
         ref_response = None
         if ref_all is not None:
             ref_response = torch.zeros(len(batch.prompt_ids), max(len(r) for r in batch.response_ids))
             for idx, lp in zip(all_chunks, ref_all):
                 _response_part(batch, idx, lp.float().cpu(), ref_response)
-        advantages = batch_advantages(batch, algo, ref_response)
+        estimated = batch_advantages(batch, algo, ref_response, old_values)
+        advantages, returns = estimated.advantages, estimated.returns
         rollout_old = _response_tensors(batch)[1]
     if is_rl and algo.tis_cap is not None:
         with torch.no_grad():  # the trainer's own logprobs before the update: the PPO ratio's base
@@ -253,4 +262,6 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
     metrics["train/tokens"] = num_tokens
     if not is_rl:
         metrics["loss/sft"] = metrics["loss/policy"]
+    if is_rl and critic is not None:
+        metrics.update(critic.update(batch, chunks, mbs, old_values, returns, algo, num_tokens, num_seqs, norm_len))
     return metrics

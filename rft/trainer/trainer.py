@@ -20,11 +20,12 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks
 from rft.checkpoint import Resume, prune, save_rank_state, set_rng_state
 from rft.cluster import RankInfo, sync_layout
-from rft.config import RFTConfig, needs_rollouts, stage_configs, wire_dtype
+from rft.config import RFTConfig, needs_critic, needs_rollouts, stage_configs, wire_dtype
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.schedule import publishes_after
+from rft.trainer.critic import Critic
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.train_step import StepBatch, train_step
@@ -153,10 +154,12 @@ def _make_optimizer(model, algo):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
 
 
-def _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher, position: dict) -> dict:
+def _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher, position: dict,
+                   critic: Critic | None = None) -> dict:
     from rft.checkpoint import rng_state
 
     return {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+            "critic": critic.state_dict() if critic is not None else None,
             "scheduler": scheduler.state_dict(), "ref_model": ref_model.state_dict() if ref_model else None,
             "cursor": cursor.state_dict() if cursor else None, "version": publisher.version,
             "rng": rng_state(), **position}
@@ -203,6 +206,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
             ref_model.load_state_dict(model.state_dict())
             ref_model.eval().requires_grad_(False)
+        # PPO's value model, its trunk a copy of the policy at stage start (rft/trainer/critic.py)
+        critic = Critic.build(cfg.model.path, cfg.model.dtype, model, algo, cfg.seed) if needs_critic(stage) else None
         cursor = None
         if not needs_rollouts(stage):
             cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped, preferences=is_dpo),
@@ -213,6 +218,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             scheduler.load_state_dict(saved["scheduler"])
             if ref_model is not None:
                 ref_model.load_state_dict(saved["ref_model"])
+            if critic is not None:
+                critic.load_state_dict(saved["critic"])
             if cursor is not None:
                 cursor.load_state_dict(saved["cursor"])
             set_rng_state(saved["rng"])
@@ -251,7 +258,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                                        pad_id)
                 else:
                     metrics = train_step(model, optimizer, batch, step_algo, stage.trainer.micro_batch_size, pad_id,
-                                         ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens)
+                                         ref_model, algo.loss_agg_norm_len or stage.rollout.max_new_tokens,
+                                         critic)
                 if not drop:
                     scheduler.step()
                 t2 = time.time()
@@ -273,7 +281,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                                 "wall_s": prior_wall_s + time.time() - run_start}
                     save_rank_state(run_dir, global_step, info.rank,
                                     _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher,
-                                                   position))
+                                                   position, critic))
                     if cfg.trainer.save_hf:
                         publisher.export_hf(model, global_step, os.path.join(run_dir, "checkpoints", "hf"))
                     control.any(False)  # every rank's file is written: the checkpoint is complete

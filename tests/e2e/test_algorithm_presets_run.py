@@ -9,7 +9,9 @@ import sys
 
 from tests.e2e.helpers import REPO
 
-PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp"]
+PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
+# what each preset logs beyond the policy's losses (PPO's critic trains beside the policy)
+EXTRA_KEYS = {"ppo": ("critic/value_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/grad_norm")}
 STEPS = 3
 STAGES = ("stages=[{name:sft,algorithm:{name:sft,policy_loss:sft,lr:3.0e-3,warmup_steps:20},"
           "trainer:{max_steps:200,sft_batch_size:64}},{name:rl,trainer:{max_steps:%d}}]" % STEPS)
@@ -29,10 +31,14 @@ def test_every_rl_preset_runs_three_steps_with_finite_losses(tmp_path):
         rl = [r for r in rows if r["stage"] == "rl"]
         assert len(rl) == STEPS, preset
         for row in rl:
-            for key in ("loss/policy", "actor/grad_norm", "actor/entropy"):
+            for key in ("loss/policy", "actor/grad_norm", "actor/entropy", *EXTRA_KEYS.get(preset, ())):
                 assert math.isfinite(row[key]), (preset, key, row[key])
+            assert ("critic/value_loss" in row) == (preset == "ppo"), preset  # a critic only where GAE needs one
         if preset == "reinforce_pp":  # KL enters the reward, not the loss
             assert all(r["loss/kl"] == 0.0 for r in rl)
+        if preset == "ppo":  # the critic learns: it has a gradient, and its values move between steps
+            assert all(r["critic/grad_norm"] > 0 for r in rl)
+            assert len({r["critic/values_mean"] for r in rl}) == STEPS
         rollout = [json.loads(line) for line in (run_dir / "metrics" / "rollout1.jsonl").read_text().splitlines()]
         steps = [r for r in rollout if r["stage"] == "rl" and "rollout/groups_kept" in r]  # not the eval rows
         kept = [r["rollout/groups_kept"] for r in steps]

@@ -9,7 +9,7 @@ import torch
 
 from rft.algorithms import registries
 from rft.algorithms.advantages import AdvantageOutputs
-from rft.config import validate
+from rft.config import needs_critic, stage_configs, validate
 from tests.unit.test_config import CONF, compose_cfg
 
 PRESETS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONF, "algorithm", "*.yaml")))
@@ -25,7 +25,7 @@ def bad_advantage(rewards, group_size):
 
 
 def test_the_readme_presets_all_exist():
-    assert set(PRESETS) >= {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "sft", "dpo"}
+    assert set(PRESETS) >= {"grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo", "sft", "dpo"}
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -55,7 +55,9 @@ def test_a_dotted_path_registers_the_users_function(tmp_path):
     ("algorithm.advantage=tests.unit.test_algorithm_presets.bad_advantage", "algorithm.advantage="),
     ("algorithm.policy_loss=nope", "algorithm.policy_loss='nope'"),
     ("algorithm.loss_agg=rft.algorithms.missing.fn", "algorithm.loss_agg="),
-    ("algorithm.advantage=gae", "needs a critic"),
+    ("algorithm.critic_lr=0", "algorithm.critic_lr=0"),
+    ("algorithm.value_clip=-0.1", "algorithm.value_clip=-0.1"),
+    ("algorithm.advantage=gae", None),  # PPO's critic exists: GAE trains one
     ("algorithm.kl_mode=reward", None),  # kl_coef 0: no penalty, nothing to refuse
 ])
 def test_bad_algorithm_keys_fail_at_launch_naming_the_key(tmp_path, override, message):
@@ -71,4 +73,23 @@ def test_kl_as_reward_needs_a_per_token_estimator(tmp_path):
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "algorithm.kl_mode=reward",
                       "algorithm.kl_coef=0.1")
     with pytest.raises(ValueError, match="advantage=reinforce_pp or gae"):
+        validate(cfg)
+
+
+def test_ppo_trains_a_critic_in_rollout_stages_only_and_needs_no_group(tmp_path):
+    # the SFT warm-up inherits advantage=gae from the top level but computes no advantages
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "algorithm=ppo",
+                      "algorithm.group_size=1")
+    validate(cfg)
+    assert [(name, needs_critic(stage)) for name, stage in stage_configs(cfg)] == [("sft", False), ("grpo", True)]
+    grpo = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "algorithm.group_size=1")
+    with pytest.raises(ValueError, match="algorithm.group_size=1"):
+        validate(grpo)  # a group baseline needs a group; GAE's baseline is the critic
+
+
+def test_ppo_is_refused_offline(tmp_path):
+    # mode=train learns from datasets (sft, dpo): no rollouts, so nothing for a critic to score
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "algorithm=ppo", "mode=train",
+                      "stages=[]")
+    with pytest.raises(ValueError, match="mode=train learns from datasets only"):
         validate(cfg)

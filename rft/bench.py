@@ -73,9 +73,10 @@ def write_tables(out_dir: str, rows: list[dict]) -> tuple[str, str]:
 
 
 def run_bench(cfg: RFTConfig) -> dict:
+    from rft.buffer.context_fit import ContextFit
     from rft.buffer.taskset import read_stage_tasks
+    from rft.config import context_length
     from rft.explorer.prompts import format_prompt
-    from rft.explorer.explorer import max_model_len
     from rft.explorer.rewards import RewardScorer
     from rft.explorer.vllm_engine import RolloutEngine
     from rft.monitor import Monitor, rank_summary_path, write_json_atomic
@@ -85,9 +86,11 @@ def run_bench(cfg: RFTConfig) -> dict:
         raise ValueError("mode=bench found no checkpoints: set bench.checkpoints=[dir,...] or "
                          "bench.run_dir=<a run with trainer.save_hf=true>")
     ks = sorted(cfg.bench.k)
-    skipped: dict[str, int] = {}
-    tasks = read_stage_tasks(cfg.data.eval_path, cfg.data, skipped)[: cfg.data.eval_limit]
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed, max_model_len(cfg))
+    row_counts: dict[str, dict[str, int]] = {}
+    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed, context_length(cfg.model))
+    fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), cfg.data.overlong)
+    tasks = fit.for_rollouts(read_stage_tasks(cfg.data.eval_path, cfg.data, row_counts), cfg.data.eval_path,
+                             cfg.rollout.max_new_tokens, row_counts)[: cfg.data.eval_limit]
     scorer = RewardScorer(cfg.algorithm.reward, cfg.rollout.reward_timeout_s)
     monitor = Monitor(cfg.run.output_dir, "bench")
     prompts = [format_prompt(t, engine.tokenizer, cfg.model.chat_template) for t in tasks]
@@ -106,6 +109,6 @@ def run_bench(cfg: RFTConfig) -> dict:
     monitor.close()
     csv_path, md_path = write_tables(cfg.run.output_dir, rows)
     summary = {"role": "bench", "rank": 0, "checkpoints": len(rows), "csv": csv_path, "markdown": md_path,
-               "skipped_rows": skipped}
+               "skipped_rows": row_counts}
     write_json_atomic(rank_summary_path(cfg.run.output_dir, 0), summary)
     return summary

@@ -20,6 +20,7 @@ import os
 import random
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,22 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
         torch.cuda.set_rng_state(state["cuda"])
         tensor_parallel.get_cuda_rng_tracker().set_states(state["megatron_cuda"])
+
+
+class SaveClock:
+    """`trainer.save_every_min`: a checkpoint is due when this many minutes passed since the last
+    one (or the start). Each rank keeps its own clock and votes at the step's control point; the
+    vote's OR makes every rank save at the same step (rft/preemption.py)."""
+
+    def __init__(self, minutes: float):
+        self.seconds = minutes * 60.0
+        self.last = time.monotonic()
+
+    def due(self) -> bool:
+        return self.seconds > 0 and time.monotonic() - self.last >= self.seconds
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
 
 
 def _requeues_path(run_dir: str) -> str:

@@ -36,6 +36,8 @@ class ModelConfig:
     tiny: Optional[TinyModelConfig] = None  # if set, `path` is created from this config before launch
     dtype: str = "float32"  # float32 | bfloat16 | float16: trainer master weights and vLLM dtype
     chat_template: bool = False  # wrap prompts with the tokenizer's chat template
+    max_seq_len: int = 4096  # longest prompt + response rft gives the model (capped by max_position_embeddings)
+    needs_gpu: bool = False  # too big for CPU nodes: refuse to run where the ranks get no GPU
 
 
 @dataclass
@@ -57,6 +59,7 @@ class DataConfig:
     rejected_key: str = "rejected"  # preference data (DPO): the dispreferred response
     prompt_template: str = "{prompt}"  # format string applied to the prompt column
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
+    overlong: str = "skip"  # rows longer than the context: skip (counted) | truncate_left (cut the prompt's start) | error
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
 
 
@@ -119,7 +122,8 @@ class TrainerConfig:
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
     threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
-    save_interval: int = 0  # checkpoint every N global steps (0: only when Slurm signals the time limit)
+    save_interval: int = 0  # also checkpoint every N global steps (0: by time and on Slurm's time-limit signal only)
+    save_every_min: float = 30.0  # checkpoint when this many minutes passed since the last one (0: off)
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
 
@@ -158,7 +162,7 @@ class ClusterConfig:
     qos: Optional[str] = None  # slurm quality of service
     constraint: Optional[str] = None  # slurm node features, e.g. "a100&ib"
     nodes: int = 1  # nodes in the allocation
-    gpus_per_node: int = 0  # GPUs per node, one task each (0: CPU nodes, tasks split over nodes)
+    gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs
     cpus_per_task: int = 1  # CPU cores per task
     mem_gb: Optional[int] = None  # memory per node (None: the partition's default)
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load ...)
@@ -191,6 +195,7 @@ class StageConfig:
 class RunConfig:
     name: str = "run"  # run name (output folder name)
     output_dir: str = MISSING  # where logs, buffer, checkpoints and TensorBoard files go
+    resume: str = "auto"  # auto: from the newest complete checkpoint, else start over | require | never (rft/runtime/run_dir.py)
 
 
 @dataclass
@@ -217,6 +222,29 @@ class RFTConfig:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     bench: BenchConfig = field(default_factory=BenchConfig)
     stages: list[StageConfig] = field(default_factory=list)  # empty: one stage from the top level
+
+
+def field_doc(key: str) -> Optional[str]:
+    """The one-line doc of a config key such as `model.path`, read from the comment beside its
+    field in this module (so error messages and the fields stay in one place)."""
+    import inspect
+    import re
+    import typing
+
+    cls: Any = RFTConfig
+    parts = key.split(".")
+    for part in parts[:-1]:
+        hint = typing.get_type_hints(cls).get(part)
+        args = [a for a in typing.get_args(hint) if a is not type(None)]  # Optional[X] -> X
+        cls = args[0] if args else hint
+        if not isinstance(cls, type):
+            return None
+    try:
+        source = inspect.getsource(cls)
+    except (TypeError, OSError):
+        return None
+    found = re.search(rf"^\s+{re.escape(parts[-1])}:[^#\n]*#\s*(.+)$", source, re.M)
+    return found.group(1).strip() if found else None
 
 
 def register_configs() -> None:
@@ -248,6 +276,7 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
 
 
 _REWARDS = ("exact_match", "math_verify")
+OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/buffer/context_fit.py)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -266,20 +295,36 @@ def _check_file(key: str, path: Optional[str], generated: bool) -> None:
         config_error(key, path, "use a .jsonl or .parquet file")
 
 
-def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
-    """(attention heads, key/value heads, layers) of the model, read without loading it."""
-    if cfg.model.tiny is not None:
-        t = cfg.model.tiny
-        return t.num_attention_heads, t.num_key_value_heads, t.num_layers
-    path = os.path.join(cfg.model.path, "config.json")
+def _hf_config(model: ModelConfig) -> Optional[dict[str, Any]]:
+    """The model's config.json as a dict (the tiny model's from its settings), without loading it."""
+    if model.tiny is not None:
+        t = model.tiny
+        return {"num_attention_heads": t.num_attention_heads, "num_key_value_heads": t.num_key_value_heads,
+                "num_hidden_layers": t.num_layers, "max_position_embeddings": t.max_position_embeddings}
+    path = os.path.join(model.path, "config.json")
     if not os.path.isfile(path):
         return None
     import json
 
     with open(path) as f:
-        hf = json.load(f)
+        return json.load(f)
+
+
+def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
+    """(attention heads, key/value heads, layers) of the model, read without loading it."""
+    hf = _hf_config(cfg.model)
+    if hf is None:
+        return None
     heads = hf.get("num_attention_heads", 1)
     return heads, hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers", 1)
+
+
+def context_length(model: ModelConfig) -> int:
+    """Tokens of prompt + response rft gives the model: `model.max_seq_len`, capped by the model's
+    max_position_embeddings. vLLM's max_model_len; every taskset row is fitted into it
+    (rft/buffer/context_fit.py), so a trainer microbatch holds at most micro_batch_size x this."""
+    hf = _hf_config(model) or {}
+    return min(model.max_seq_len, hf.get("max_position_embeddings") or model.max_seq_len)
 
 
 def _check_parallel_layout(cfg: RFTConfig) -> None:
@@ -385,6 +430,8 @@ def validate(cfg: RFTConfig) -> None:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"one vLLM engine for now: {span} here (rollout.tensor_parallel_size on GPU nodes, "
                      "1 where tasks have no GPU)")
+    if cfg.model.max_seq_len < 2:
+        config_error("model.max_seq_len", cfg.model.max_seq_len, "use the longest prompt + response to allow, e.g. 4096")
     if cfg.model.dtype not in _DTYPES:
         config_error("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
     model_generated = cfg.model.tiny is not None
@@ -440,6 +487,13 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
         if rollout.max_new_tokens < 1:
             config_error(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
+        context = context_length(cfg.model)
+        if (needs_rollouts(stage) or data.eval_path) and rollout.max_new_tokens >= context:
+            config_error(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens,
+                         f"leaves no room for a prompt in the model's context of {context} tokens "
+                         "(model.max_seq_len, capped by max_position_embeddings); lower it")
+        if data.overlong not in OVERLONG_POLICIES:
+            config_error(f"{prefix}data.overlong", data.overlong, f"choose one of {OVERLONG_POLICIES}")
         if rollout.tensor_parallel_size < 1:
             config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
         if rollout.tensor_parallel_size != cfg.rollout.tensor_parallel_size:

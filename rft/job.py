@@ -32,7 +32,48 @@ def _roll_back_buffer(cfg, info, resume) -> None:
 
 
 def run_rank(config: dict, master_port: int) -> dict:
-    """Entry point pickled by submitit; `config` is the resolved, validated config tree."""
+    """Entry point pickled by submitit; `config` is the resolved, validated config tree. The rank
+    runs in a child process, so a kill by a signal (the OOM killer, kill -9) is reported as such
+    (rft/runtime/supervisor.py)."""
+    from rft.runtime.supervisor import run_supervised
+
+    return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
+
+
+def _rank_name(config: dict) -> str:
+    """"trainer rank 0", "rollout rank 1": cheap, from the task's environment (no torch import)."""
+    import submitit
+
+    rank = submitit.JobEnvironment().global_rank
+    mode, trainers = config["mode"], config["cluster"]["trainer_ranks"]
+    if mode == "bench":
+        return f"bench rank {rank}"
+    role = "trainer" if mode == "train" or (mode != "explore" and rank < trainers) else "rollout"
+    return f"{role} rank {rank}"
+
+
+def _slurm_job_id() -> str | None:
+    """This task's job as squeue names it: <array>_<index> for an array task, else the job id."""
+    array, index = os.environ.get("SLURM_ARRAY_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    return f"{array}_{index}" if array and index else os.environ.get("SLURM_JOB_ID")
+
+
+def _start_over_after_requeue(cfg, resume) -> None:
+    """Rank 0 of a Slurm job started again by Slurm (a requeue after a node failure) without a
+    complete checkpoint: the job's earlier attempt is moved aside as a launch would, or, with
+    run.resume=require, the rank stops. The other ranks wait at the control group meanwhile."""
+    from rft.runtime.run_dir import has_earlier_attempt, set_aside_attempt
+
+    if resume is not None or not has_earlier_attempt(cfg.run.output_dir):
+        return
+    if cfg.run.resume == "require":
+        raise RuntimeError(f"{cfg.run.output_dir} holds an earlier attempt of this job but no complete checkpoint, "
+                           "and run.resume=require: not starting over")
+    print(f"no complete checkpoint: starting over; the earlier attempt's files are in "
+          f"{set_aside_attempt(cfg.run.output_dir)}", flush=True)
+
+
+def _rank_main(config: dict, master_port: int) -> dict:
     from rft.cluster import (
         control_members,
         engine_devices,
@@ -70,6 +111,12 @@ def run_rank(config: dict, master_port: int) -> dict:
         stop = StopFlag()
         stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
         resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
+        job_id = _slurm_job_id()
+        if info.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json
+            from rft.runtime.run_dir import check_job_owns
+
+            check_job_owns(cfg.run.output_dir, job_id)
+            _start_over_after_requeue(cfg, resume)
         if resume is not None:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
             if info.role == "rollout":

@@ -1,11 +1,13 @@
 """`python -m rft.launch +experiment=NAME [overrides]`: compose, validate, plan, submit, watch.
 
-    compose (Hydra) -> validate -> create generated inputs (tiny model, synthetic data)
-    -> print the plan -> submit one job of T+R tasks (submitit) -> progress bar -> summary
+    compose (Hydra) -> validate -> own the run directory, resume or start over
+    -> create generated inputs (tiny model, synthetic data) -> print the plan
+    -> submit one job of T+R tasks (submitit) -> progress bar -> summary
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -13,8 +15,10 @@ import sys
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from rft.config import RFTConfig, register_configs, validate, world_size
+from rft.config import RFTConfig, config_error, register_configs, validate, world_size
+from rft.runtime.run_dir import Owner
 
 register_configs()
 
@@ -32,12 +36,46 @@ def prepare(cfg: RFTConfig) -> None:
         create_tiny_model(cfg.model.tiny, cfg.model.path, cfg.seed)
 
 
-def print_plan(cfg: RFTConfig, log_dir: str) -> None:
+def saving_ranks(cfg: RFTConfig) -> list[int]:
+    """The ranks whose files make a checkpoint complete, in the ranks this mode starts (rft/job.py)."""
+    from rft.cluster import voting_ranks
+
+    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
+    saving_t = 0 if cfg.mode == "explore" else t
+    return voting_ranks(cfg, saving_t, saving_t + (0 if cfg.mode == "train" else r))
+
+
+def start_or_resume(cfg: RFTConfig) -> str | None:
+    """What this launch does with an earlier attempt in run.output_dir (rft/runtime/run_dir.py):
+    resume from its newest complete checkpoint, or start over with its files moved to
+    <run>/attempts/<n>. Raises ValueError (the run is finished, or `run.resume=require` and there
+    is nothing to resume). Returns the plan's line about it, or None for a fresh directory."""
+    from rft.checkpoint import newest_complete
+    from rft.runtime.run_dir import finished, has_earlier_attempt, next_attempt_dir, set_aside_attempt
+
+    run_dir, policy = cfg.run.output_dir, cfg.run.resume
+    if not has_earlier_attempt(run_dir):
+        return None
+    resume = newest_complete(run_dir, saving_ranks(cfg))
+    if policy != "never" and finished(run_dir):
+        config_error("run.output_dir", run_dir,
+                     f"holds a finished run (summary.json); launch into a new run.output_dir, or start it over "
+                     f"with run.resume=never (the finished run is kept in {next_attempt_dir(run_dir)})")
+    if policy != "never" and resume is not None:
+        return f"resume from {resume.step_dir} ({resume.done} steps done)"
+    if policy == "require":
+        config_error("run.resume", policy,
+                     f"{run_dir} holds an earlier attempt but no complete checkpoint to resume from; "
+                     f"run.resume=auto starts it over (the earlier attempt kept in {next_attempt_dir(run_dir)}), "
+                     "or launch into a new run.output_dir")
+    why = "run.resume=never" if policy == "never" else "no complete checkpoint to resume from"
+    return f"start over ({why}); the earlier attempt's files are in {set_aside_attempt(run_dir)}"
+
+
+def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None:
     from rich.table import Table
 
-    from rft.checkpoint import newest_complete
-    from rft.cluster import voting_ranks
-    from rft.config import stage_configs
+    from rft.config import context_length, stage_configs
     from rft.report import console
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
@@ -48,6 +86,8 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
         table.add_row("mode", f"bench: pass@k / mean@k for k in {list(cfg.bench.k)} on {cfg.data.eval_path}")
         table.add_row("checkpoints", "\n".join(bench_checkpoints(cfg)))
         table.add_row("output dir", cfg.run.output_dir)
+        if attempt is not None:
+            table.add_row("attempt", attempt)
         console.print(table)
         return
     tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
@@ -58,14 +98,19 @@ def print_plan(cfg: RFTConfig, log_dir: str) -> None:
                                  f"timeout {cfg.sync.timeout_s:.0f}s")
     if cfg.mode == "both":
         table.add_row("schedule", schedule_line(cfg))
-    table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps"
-                                      for n, s in stage_configs(cfg)))
+    context, stages = context_length(cfg.model), stage_configs(cfg)
+    table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))
+    rows = max(max(s.trainer.micro_batch_size for _, s in stages), 1)
+    table.add_row("sequences", f"<= {context} tokens (prompt + response; longer rows: data.overlong="
+                               f"{cfg.data.overlong}); a trainer microbatch <= {rows} x {context} tokens")
+    if cfg.mode != "explore":
+        save = [f"every {cfg.trainer.save_every_min:g} min"] if cfg.trainer.save_every_min else []
+        save += [f"every {cfg.trainer.save_interval} steps"] if cfg.trainer.save_interval else []
+        table.add_row("checkpoints", " and ".join(save + ["on Slurm's time-limit signal"]) + ", "
+                      f"newest {cfg.trainer.keep_checkpoints} kept")
     table.add_row("output dir", cfg.run.output_dir)
-    saving_t = 0 if cfg.mode == "explore" else t  # the ranks rft/job.py starts in this mode
-    saving = voting_ranks(cfg, saving_t, saving_t + (0 if cfg.mode == "train" else r))
-    resume = newest_complete(cfg.run.output_dir, saving)
-    if resume is not None:
-        table.add_row("resume", f"from {resume.step_dir} ({resume.done} steps done)")
+    if attempt is not None:
+        table.add_row("attempt", attempt)
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
@@ -108,6 +153,36 @@ def _executor(cfg: RFTConfig, log_dir: str):
     return executor, cfg.cluster.master_port or free_port()
 
 
+@contextlib.contextmanager
+def _output_to(path: str):
+    """Point this process's stdout/stderr file descriptors at `path` for the duration, so a child
+    started meanwhile inherits the file: submitit's local controller prints a KeyboardInterrupt
+    traceback when a job is cancelled, which belongs in the logs, not on the user's terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def _submit_jobs(executor, cfg: RFTConfig, configs: list[dict], port: int, log_dir: str) -> list:
+    from rft.job import run_rank
+
+    if cfg.cluster.kind != "local":
+        return [executor.submit(run_rank, config, port) for config in configs]
+    os.makedirs(log_dir, exist_ok=True)
+    with _output_to(os.path.join(log_dir, "local-controller.log")):
+        return [executor.submit(run_rank, config, port) for config in configs]
+
+
 def _resolved_config(cfg: RFTConfig) -> dict:
     """The config tree the ranks get, also saved as <output dir>/config.yaml."""
     config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
@@ -118,17 +193,23 @@ def _resolved_config(cfg: RFTConfig) -> dict:
 def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
     from rft.monitor import write_json_atomic
-    from rft.report import build_summary, console, print_summary, slurm_job_alive, wait_until_gone, watch
+    from rft.report import build_summary, console, job_watch, print_summary, wait_until_gone, watch
 
     world = world_size(cfg)
     on_slurm = cfg.cluster.kind == "slurm"
     # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
     try:
-        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress,
-                        alive=slurm_job_alive(job.job_id) if on_slurm else None)
+        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
+                        on_slurm=on_slurm)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
+        console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
+                      f"run.output_dir={cfg.run.output_dir} to resume from its newest checkpoint", soft_wrap=True)
+        return 130
     finally:
-        if not job.done():
+        if not done():
             job.cancel()
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
@@ -147,59 +228,80 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     return 0
 
 
-def submit(cfg: RFTConfig) -> int:
+def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     """Submit one run (submitit local or Slurm executor); follow it unless it is a Slurm job
     without `cluster.wait`. Returns the process exit code."""
-    from rft.job import run_rank
     from rft.report import console
+    from rft.runtime.run_dir import set_job
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
-    print_plan(cfg, log_dir)
+    print_plan(cfg, log_dir, attempt)
     # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
     shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
     executor, port = _executor(cfg, log_dir)
-    job = executor.submit(run_rank, _resolved_config(cfg), port)
+    (job,) = _submit_jobs(executor, cfg, [_resolved_config(cfg)], port, log_dir)
     console.print(f"submitted job {job.job_id} ({world_size(cfg)} tasks)")
     if cfg.cluster.kind == "slurm":
+        set_job(cfg.run.output_dir, owner, job.job_id)  # the job owns the directory, also after we exit
         console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
                       f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
                       soft_wrap=True)
         if not cfg.cluster.wait:
-            console.print(f"follow it with `squeue -j {job.job_id}`; cancel with `scancel {job.job_id}`")
+            console.print(f"follow it with `squeue -j {job.job_id}`; cancel it with `scancel {job.job_id}`")
             return 0
     return follow(job, cfg, log_dir)
 
 
-def submit_array(runs: list[RFTConfig], sweep_dir: str) -> int:
+def submit_array(runs: list[tuple[RFTConfig, Owner, str | None]], sweep_dir: str) -> int:
     """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
-    from rft.job import run_rank
     from rft.report import console
+    from rft.runtime.run_dir import release, set_job
 
     log_dir = os.path.join(sweep_dir, "logs")
-    print_plan(runs[0], log_dir)
-    executor, port = _executor(runs[0], log_dir)
+    first = runs[0][0]
+    print_plan(first, log_dir)
+    for cfg, _, attempt in runs:
+        if attempt is not None:
+            console.print(f"{cfg.run.output_dir}: {attempt}", soft_wrap=True)
+    executor, port = _executor(first, log_dir)
     with executor.batch():
-        jobs = [executor.submit(run_rank, _resolved_config(run), port) for run in runs]
+        jobs = _submit_jobs(executor, first, [_resolved_config(cfg) for cfg, _, _ in runs], port, log_dir)
     array_id = jobs[0].job_id.split("_")[0]
-    world = world_size(runs[0])
+    world = world_size(first)
     console.print(f"submitted array job {array_id} ({len(runs)} runs x {world} tasks)")
-    for job, run in zip(jobs, runs):
-        console.print(f"  {job.job_id}: {run.run.output_dir}  (logs {log_dir}/{job.job_id}_<rank>_log.out|err)",
+    for job, (cfg, owner, _) in zip(jobs, runs):
+        set_job(cfg.run.output_dir, owner, job.job_id)
+        console.print(f"  {job.job_id}: {cfg.run.output_dir}  (logs {log_dir}/{job.job_id}_<rank>_log.out|err)",
                       soft_wrap=True)
     console.print(f"tensorboard: tensorboard --logdir {sweep_dir}", soft_wrap=True)
-    if not runs[0].cluster.wait:
-        console.print(f"follow it with `squeue -j {array_id}`; cancel with `scancel {array_id}`")
+    if not first.cluster.wait:
+        console.print(f"follow it with `squeue -j {array_id}`; cancel it with `scancel {array_id}`")
         return 0
     codes = []
-    for job, run in zip(jobs, runs):
-        console.print(f"following {job.job_id} ({run.run.output_dir})", soft_wrap=True)
-        codes.append(follow(job, run, log_dir))
+    for job, (cfg, owner, _) in zip(jobs, runs):
+        console.print(f"following {job.job_id} ({cfg.run.output_dir})", soft_wrap=True)
+        codes.append(follow(job, cfg, log_dir))
+        release(cfg.run.output_dir, owner)
     return max(codes)
 
 
+def _missing_key_message(err: MissingMandatoryValue) -> str:
+    """`model.path must be set` with the key's doc and the command line to run, instead of
+    omegaconf's exception."""
+    from rft.config import field_doc
+
+    key = err.full_key
+    doc = field_doc(key)
+    example = {"model.path": "/path/to/hf_model"}.get(key, "<value>")
+    command = " ".join(["python -m rft.launch", *sys.argv[1:], f"{key}={example}"])
+    hint = ("\n  (SmolLM2-135M on CPU: run `python tools/prepare_smollm2.py` once, then pass `model=smollm2_135m`)"
+            if key == "model.path" else "")
+    return f"{key} must be set{f' ({doc})' if doc else ''}: add it to the command line, e.g.\n  {command}{hint}"
+
+
 def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
-    """Compose -> typed config, cluster kind resolved, validated and checked, inputs generated.
-    Raises ValueError naming the key on a bad config."""
+    """Compose -> typed config, cluster kind and GPUs resolved, validated and checked against the
+    cluster. Raises ValueError naming the key on a bad config."""
     from hydra.core.hydra_config import HydraConfig
 
     if multirun and not any(o.split("=")[0].lstrip("+~") == "run.output_dir"
@@ -208,20 +310,46 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         # interpolate it)
         with open_dict(dcfg):
             dcfg.run.output_dir = HydraConfig.get().runtime.output_dir
-    cfg: RFTConfig = OmegaConf.to_object(dcfg)
+    try:
+        cfg: RFTConfig = OmegaConf.to_object(dcfg)
+    except MissingMandatoryValue as err:
+        raise ValueError(_missing_key_message(err)) from None
+    except OmegaConfBaseException as err:  # a bad interpolation, a value of the wrong type
+        key = getattr(err, "full_key", None)
+        raise ValueError(f"{key + ': ' if key else ''}{str(err).splitlines()[0]}") from None
     cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
-    from rft.slurm import check_against_cluster, check_request, resolve_kind
+    from rft.slurm import check_against_cluster, check_request, resolve_gpus, resolve_kind
 
     if cfg.cluster.kind == "auto":
         cfg.cluster.kind = resolve_kind(cfg.cluster)
         print(f"rft: cluster=auto -> {cfg.cluster.kind} "
               f"({'a Slurm controller answers' if cfg.cluster.kind == 'slurm' else 'no Slurm controller answers'})")
+    note = resolve_gpus(cfg)
+    if note:
+        print(f"rft: {note}")
     validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
     if cfg.cluster.kind == "slurm":
         check_request(cfg)
         check_against_cluster(cfg)
-    prepare(cfg)
     return cfg
+
+
+def take_run_dir(cfg: RFTConfig) -> tuple[Owner, str | None]:
+    """Own run.output_dir (RunDirBusy if another live launch does), decide between resuming and
+    starting over, then create the generated inputs. Releases the directory if a step fails."""
+    from rft.runtime.run_dir import claim, release, this_launch
+
+    owner = this_launch(cfg.cluster.kind)
+    took_over = claim(cfg.run.output_dir, owner)
+    if took_over:
+        print(f"rft: {took_over}")
+    try:
+        attempt = start_or_resume(cfg)
+        prepare(cfg)
+    except BaseException:
+        release(cfg.run.output_dir, owner)
+        raise
+    return owner, attempt
 
 
 @hydra.main(config_path="../conf", config_name="config", version_base="1.3")
@@ -230,18 +358,24 @@ def main(dcfg: DictConfig) -> None:
     from hydra.types import RunMode
 
     from rft import sweep
+    from rft.runtime.run_dir import release
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         cfg = configure(dcfg, multirun)
-    except ValueError as err:
+        owner, attempt = take_run_dir(cfg)
+    except ValueError as err:  # RunDirBusy included
         print(f"rft: config error: {err}", file=sys.stderr)
         sys.exit(2)  # in a sweep: before anything was submitted to Slurm
     if multirun and cfg.cluster.kind == "slurm":
-        sweep.QUEUED.append(cfg)  # submitted as one array when the sweep ends (rft/sweep.py)
+        sweep.QUEUED.append((cfg, owner, attempt))  # submitted as one array when the sweep ends (rft/sweep.py)
         print(f"rft: sweep run {len(sweep.QUEUED) - 1} -> {cfg.run.output_dir}")
         return
-    code = submit(cfg)
+    try:
+        code = submit(cfg, owner, attempt)
+    finally:
+        if cfg.cluster.kind == "local" or cfg.cluster.wait:
+            release(cfg.run.output_dir, owner)  # else the Slurm job owns it while it is queued or runs
     if not multirun:
         sys.exit(code)
     sweep.EXIT_CODES.append(code)

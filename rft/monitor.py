@@ -13,6 +13,13 @@ import time
 from typing import Any
 
 
+def peak_rss_gb() -> float:
+    """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
 def write_json_atomic(path: str, payload: Any) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "w") as f:

@@ -9,7 +9,7 @@ and then rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless `clust
 is used up. The requeued job runs the same submitted ranks again; they find the checkpoint and
 resume. SIGTERM stays ignored (submitit's choice): `scancel` sends it, and a cancelled job must not
 requeue itself. Hard kills (node failure, preemption without a signal) resume from the newest
-periodic checkpoint (`trainer.save_interval`).
+periodic checkpoint (`trainer.save_every_min`, `trainer.save_interval`).
 
 The control group's store listens on master_port + 2 (the trainer group uses master_port, the
 weight groups master_port + 1), hosted by global rank 0.
@@ -71,12 +71,18 @@ class ControlGroup:
 
     def any(self, flag: bool) -> bool:
         """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""
-        t = torch.tensor([int(flag)], dtype=torch.int32)
+        return self.vote(flag)[0]
+
+    def vote(self, *flags: bool) -> list[bool]:
+        """Each flag True on every rank if it is True on any rank: one collective for several
+        decisions (at a step's control point: stop? checkpoint now by time?). All ranks pass the
+        same number of flags."""
+        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.MAX
         opts.timeout = self.timeout
         self.pg.allreduce([t], opts).wait(self.timeout)
-        return bool(t.item())
+        return [bool(v) for v in t.tolist()]
 
     def finish(self) -> None:
         """Rank 0 at the end of the run: releases the GPU-holding tasks (`hold_until_finished`)."""

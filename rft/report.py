@@ -38,11 +38,15 @@ def _task_result(log_dir: str, job_id: str, rank: int) -> tuple[str, object] | N
 
 
 def _exception_line(trace: str) -> str:
-    """The `SomeError: message` line of a traceback (messages may span several lines)."""
+    """The `SomeError: message` line of a traceback (messages may span several lines), without
+    the exception's module path; a rank killed by a signal (rft/runtime/supervisor.py) is just
+    the message."""
     lines = trace.strip().splitlines()
     for line in reversed(lines):
-        if re.match(r"^[\w.]+(Error|Exception|Interrupt|Exit)\b", line):
-            return line
+        found = re.match(r"^(?:[\w]+\.)*(\w+(?:Error|Exception|Interrupt|Exit))\b(.*)$", line)
+        if found:
+            name, rest = found.groups()
+            return rest.lstrip(": ") if name == "RankKilledError" else name + rest
     return lines[-1] if lines else "(no traceback)"
 
 
@@ -63,72 +67,147 @@ def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
     return lambda rank: _pid_alive(pid_path(run_dir, rank))
 
 
+_WARNED: set[str] = set()
+
+
+def warn_once(text: str) -> None:
+    """Print a Slurm tool's warning the first time only (the launcher polls them every few seconds)."""
+    text = text.strip()
+    if text and text not in _WARNED:
+        _WARNED.add(text)
+        console.print(f"[yellow]slurm: {text}", soft_wrap=True)
+
+
+def _squeue_state(job_id: str) -> str | None:
+    """The job's state as squeue shows it ("" once Slurm no longer lists it), None when the
+    controller does not answer."""
+    import subprocess
+
+    try:
+        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode == 0 or "Invalid job id" in out.stderr:
+        if out.returncode == 0:
+            warn_once(out.stderr)
+        return out.stdout.strip()
+    warn_once(out.stderr)
+    return None
+
+
 def slurm_job_alive(job_id: str) -> Callable[[int], bool | None]:
     """Liveness from the queue: once Slurm no longer lists the job, a rank without a result died.
     (submitit reads job states from sacct, which clusters without accounting lack.)"""
-    import subprocess
-
     last: dict[str, float | bool | None] = {"at": -1e9, "verdict": None}
 
     def alive(_rank: int) -> bool | None:
         if time.monotonic() - last["at"] < 10:  # one squeue per 10 s, not one per rank per poll
             return last["verdict"]
-        try:
-            out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True,
-                                 text=True, timeout=30)
-            # a busy or unreachable controller gives no verdict
-            ok = out.returncode == 0 or "Invalid job id" in out.stderr
-            verdict = bool(out.stdout.strip()) if ok else None
-        except (OSError, subprocess.TimeoutExpired):
-            verdict = None
-        last.update(at=time.monotonic(), verdict=verdict)
-        return verdict
+        state = _squeue_state(job_id)
+        last.update(at=time.monotonic(), verdict=None if state is None else bool(state))
+        return last["verdict"]
 
     return alive
+
+
+def slurm_job_state(job_id: str) -> str | None:
+    """How Slurm says the job ended, e.g. "OUT_OF_MEMORY, exit code 0:125": from sacct where
+    accounting is on, else from scontrol while the controller still remembers the job."""
+    import subprocess
+
+    def run(cmd: list[str]) -> str | None:
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    acct = run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,ExitCode"])
+    if acct and acct.strip():
+        state, _, code = acct.strip().splitlines()[0].partition("|")
+        return f"{state}, exit code {code}"
+    shown = run(["scontrol", "-o", "show", "job", job_id])
+    if shown:
+        fields = dict(f.split("=", 1) for f in shown.split() if "=" in f)
+        if "JobState" in fields:
+            reason = f" ({fields['Reason']})" if fields.get("Reason", "None") != "None" else ""
+            return f"{fields['JobState']}{reason}, exit code {fields.get('ExitCode', '?')}"
+    return None
+
+
+def job_watch(job, on_slurm: bool, run_dir: str, log_dir: str, world_size: int
+              ) -> tuple[Callable[[], bool], Callable[[int], bool | None]]:
+    """(done(), alive(rank)) for a submitted job. On Slurm both come from result files and squeue:
+    submitit's own `job.done()` runs sacct, which warns on every poll where accounting is off."""
+    if not on_slurm:
+        return job.done, local_rank_alive(run_dir)
+    alive = slurm_job_alive(job.job_id)
+
+    def done() -> bool:
+        if all(_task_result(log_dir, job.job_id, r) is not None for r in range(world_size)):
+            return True
+        return alive(0) is False
+
+    return done, alive
 
 
 def wait_until_gone(job_id: str, timeout_s: float = 120.0) -> bool:
     """After the ranks returned: wait until Slurm has finished the job too (its epilogue, the
     accounting record), so `cluster.wait=true` exits when `sacct` shows the job ended."""
-    import subprocess
-
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        out = subprocess.run(["squeue", "-h", "-j", job_id, "-o", "%T"], capture_output=True, text=True)
-        if (out.returncode == 0 and not out.stdout.strip()) or "Invalid job id" in out.stderr:
+        if _squeue_state(job_id) == "":
             return True
         time.sleep(1.0)
     return False
 
 
 def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
-                 alive: Callable[[int], bool | None] | None = None) -> RankFailure | None:
-    """A rank that raised (submitit's result pickle says error) or whose process vanished."""
+                 alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> RankFailure | None:
+    """The rank that failed first: one that raised or was killed (submitit's result pickle says
+    error; rft/runtime/supervisor.py reports signals), or whose process vanished without a result.
+    The earliest by its result file's time: when one rank dies the others often fail after it
+    (a peer gone from a collective), and the first is the cause."""
     alive = alive or local_rank_alive(run_dir)
+    failures: list[tuple[float, RankFailure]] = []
     for rank in range(world_size):
         log = os.path.join(log_dir, f"{job_id}_{rank}_log.err")
         result = _task_result(log_dir, job_id, rank)
         if result is not None and result[0] == "error":
-            return RankFailure(rank, log, _exception_line(str(result[1])))
-        if result is None and alive(rank) is False:
+            at = os.path.getmtime(os.path.join(log_dir, f"{job_id}_{rank}_result.pkl"))
+            failures.append((at, RankFailure(rank, log, _exception_line(str(result[1])))))
+        elif result is None and alive(rank) is False:
             time.sleep(1.0)  # the result file may land just after the process exits
             if _task_result(log_dir, job_id, rank) is None:
-                return RankFailure(rank, log, "process exited without a result (killed?)")
-    return None
+                reason = "process exited without a result (killed?)"
+                state = slurm_job_state(job_id) if on_slurm else None
+                if state:
+                    reason += f"; Slurm: job {job_id} {state}"
+                failures.append((time.time(), RankFailure(rank, log, reason)))
+    return min(failures, key=lambda f: f[0])[1] if failures else None
 
 
-def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
-          poll_s: float = 1.0, alive: Callable[[int], bool | None] | None = None) -> RankFailure | None:
-    """Render progress until the job ends; return the first failed rank, if any."""
+def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool, poll_s: float = 1.0,
+          done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
+          on_slurm: bool = False) -> RankFailure | None:
+    """Render progress until the job ends; return the first failed rank, if any. While it
+    follows, the launcher's ownership of the run directory stays fresh (rft/runtime/run_dir.py)."""
+    from rft.runtime.run_dir import HEARTBEAT_S, heartbeat
+
+    done = done or job.done
     progress = Progress(TextColumn("[bold]{task.fields[stage]}"), BarColumn(),
                         TextColumn("step {task.completed}/{task.total}"),
                         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
                         TextColumn("ETA"), TimeRemainingColumn(), console=console,
                         disable=not show_progress)
+    beat = 0.0
     with progress:
         bar = progress.add_task("run", total=None, stage="starting", reward="-")
-        while not job.done():
-            failure = find_failure(run_dir, log_dir, job.job_id, world_size, alive)
+        while not done():
+            if time.monotonic() - beat > HEARTBEAT_S:
+                heartbeat(run_dir)
+                beat = time.monotonic()
+            failure = find_failure(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
             if failure is not None:
                 return failure
             state = _read_json(progress_path(run_dir))
@@ -138,7 +217,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")
             time.sleep(poll_s)
-    return find_failure(run_dir, log_dir, job.job_id, world_size, alive)
+    return find_failure(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
 
 
 def _read_json(path: str) -> dict | None:
@@ -168,9 +247,12 @@ def build_summary(run_dir: str, world_size: int) -> dict:
                       for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s")}
     split = {role: parts for role, parts, ran in (("trainer", trainer_split, trainer), ("explorer", explorer_split,
                                                                                            rollout)) if ran}
+    peak = {role: round(parts.get("peak_rss_gb", 0.0), 2)
+            for role, parts in (("trainer", trainer), ("rollout", rollout)) if parts}
     return {"stages": stages, "wall_s": wall, "steps": trainer.get("steps", rollout.get("steps", 0)),
             "time_split": split,  # only the roles this mode runs (mode=train: no explorer)
             "skipped_rows": {**trainer.get("skipped_rows", {}), **rollout.get("skipped_rows", {})},
+            "peak_rss_gb": peak,  # the largest resident memory of the first rank of each role
             "reward_errors": rollout.get("reward_errors", 0),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 
@@ -196,9 +278,15 @@ def print_summary(summary: dict) -> None:
             share = seconds / summary["wall_s"] if summary["wall_s"] else 0.0
             split.add_row(role, part.removesuffix("_s").replace("_", " "), f"{seconds:.1f}", f"{100 * share:.0f}%")
     console.print(split)
-    skipped = {p: n for p, n in summary["skipped_rows"].items() if n}
-    for path, n in skipped.items():
-        console.print(f"[yellow]skipped {n} malformed rows in {path}")
+    if summary.get("peak_rss_gb"):
+        console.print("peak memory: " + ", ".join(f"{role} rank {gb:.1f} GiB"
+                                                  for role, gb in summary["peak_rss_gb"].items()))
+    for path, counts in summary["skipped_rows"].items():
+        for key, what in (("malformed", "skipped {n} malformed rows"),
+                          ("overlong_skipped", "skipped {n} rows longer than the model's context (data.overlong=skip)"),
+                          ("truncated", "truncated the prompts of {n} rows longer than the model's context")):
+            if counts.get(key):
+                console.print(f"[yellow]{what.format(n=counts[key])} in {path}", soft_wrap=True)
     stale = summary.get("stale", {})
     if any(stale.values()):
         console.print(f"[yellow]stale experience (buffer.max_staleness): {stale.get('dropped', 0)} shard(s) dropped, "

@@ -79,11 +79,74 @@ def check_against_cluster(cfg: RFTConfig) -> None:
     if c.partition and c.partition not in names:
         config_error("cluster.partition", c.partition, f"not a partition here; sinfo lists {sorted(names)}")
     if c.gpus_per_node:
-        gres = _run(["sinfo", "-h", "-o", "%G"] + (["-p", c.partition] if c.partition else [])) or ""
-        most = max((_gpus_in_gres(g) for g in gres.split()), default=0)
+        found = partition_gpus(c.partition)
+        name, most = found if found else (c.partition or "(default)", 0)
         if c.gpus_per_node > most:
             config_error("cluster.gpus_per_node", c.gpus_per_node,
-                  f"the nodes of partition {c.partition or '(default)'} have at most {most} GPUs")
+                         f"the nodes of partition {name} have at most {most} GPUs")
+
+
+def partition_gpus(partition: str | None) -> tuple[str, int] | None:
+    """(partition name, most GPUs a node of it has) from `sinfo`; the default partition when
+    `partition` is None. None when sinfo does not answer or knows no such partition."""
+    listing = _run(["sinfo", "-h", "-o", "%P|%G"])
+    if listing is None:
+        return None
+    gpus: dict[str, int] = {}
+    default = None
+    for line in listing.splitlines():
+        name, _, gres = line.strip().partition("|")
+        if name.endswith("*"):
+            name = default = name.rstrip("*")
+        gpus[name] = max(gpus.get(name, 0), _gpus_in_gres(gres))
+    name = partition or default
+    return (name, gpus[name]) if name in gpus else None
+
+
+def resolve_gpus(cfg: RFTConfig) -> str | None:
+    """Settle `cluster.gpus_per_node` before validation, and refuse to run a model that needs
+    GPUs (`model.needs_gpu`) where the ranks get none. Unset (None) on Slurm: one GPU per rank when
+    the partition's nodes have GPUs (sinfo), CPU nodes otherwise; unset locally: 0 (the ranks use
+    this machine's GPUs when torch sees them). Returns a line saying what auto chose, or None."""
+    c = cfg.cluster
+    needs = f"model {cfg.model.name} needs GPUs (model.needs_gpu=true)"
+    if c.kind != "slurm":
+        c.gpus_per_node = c.gpus_per_node or 0
+        if cfg.model.needs_gpu:
+            import torch
+
+            if not torch.cuda.is_available():
+                config_error("model.needs_gpu", True, f"{needs} and this machine has none (cluster={c.kind}); "
+                             "run it on a GPU node or through Slurm (cluster=slurm), or pick a smaller model, "
+                             "e.g. model=smollm2_135m")
+        return None
+    if c.gpus_per_node is not None:
+        if c.gpus_per_node == 0 and cfg.model.needs_gpu:
+            config_error("cluster.gpus_per_node", 0, f"{needs}: ask for GPUs, e.g. cluster.gpus_per_node=8")
+        return None
+    found = partition_gpus(c.partition)
+    if found is None:
+        config_error("cluster.gpus_per_node", None,
+                     f"sinfo does not tell the GPUs of partition {c.partition or '(default)'}; set "
+                     "cluster.gpus_per_node=N (0 for CPU nodes) and cluster.partition")
+    name, most = found
+    if most == 0:
+        if cfg.model.needs_gpu:
+            config_error("cluster.gpus_per_node", None,
+                         f"{needs} but the nodes of partition {name} have none (sinfo lists no gpu gres): pick a "
+                         "GPU partition with cluster.partition=NAME, or set cluster.gpus_per_node=N where a "
+                         "site's GPUs are not Slurm gres")
+        c.gpus_per_node = 0
+        return f"cluster.gpus_per_node=auto -> 0 (partition {name} has CPU nodes)"
+    world = c.trainer_ranks + c.rollout_ranks
+    per_node = math.ceil(world / c.nodes)
+    if per_node > most:
+        config_error("cluster.gpus_per_node", None,
+                     f"the {world} ranks on cluster.nodes={c.nodes} need {per_node} GPUs per node (one per rank) "
+                     f"but the nodes of partition {name} have {most}; raise cluster.nodes, or set "
+                     "cluster.gpus_per_node and the ranks yourself")
+    c.gpus_per_node = per_node
+    return f"cluster.gpus_per_node=auto -> {per_node} (one GPU per rank; partition {name}'s nodes have {most})"
 
 
 def _gpus_in_gres(gres: str) -> int:

@@ -19,8 +19,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from rft.config import RFTConfig, config_error
+from rft.runtime.run_dir import Owner
 
-QUEUED: list[RFTConfig] = []  # Slurm runs composed and checked, waiting for the array submit
+# Slurm runs composed, checked and owning their run directories (with what each does to an earlier
+# attempt there), waiting for the array submit
+QUEUED: list[tuple[RFTConfig, Owner, str | None]] = []
 EXIT_CODES: list[int] = []  # local runs' exit codes, for the sweep's own exit status
 
 
@@ -49,14 +52,17 @@ class SweepCallback(Callback):
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         from rft.launch import submit_array
+        from rft.runtime.run_dir import release
 
         code = max(EXIT_CODES, default=0)
         if QUEUED:
             runs = list(QUEUED)
             QUEUED.clear()
             try:
-                check_one_array(runs)
+                check_one_array([cfg for cfg, _, _ in runs])
             except ValueError as err:
+                for cfg, owner, _ in runs:
+                    release(cfg.run.output_dir, owner)
                 print(f"rft: config error: {err}", file=sys.stderr)
                 sys.exit(2)
             code = max(code, submit_array(runs, os.path.abspath(config.hydra.sweep.dir)))

@@ -15,13 +15,15 @@
 #
 # RFT_SLURM_DIR defaults to /tmp/rft-slurm. The node advertises RFT_SLURM_CPUS CPUs (default: this
 # machine's count, at least 4, so a 2-task job and a 2-job array fit; slurmd is told to accept
-# the difference) and one partition, `debug`.
+# the difference) and one partition, `debug`. RFT_SLURM_GPUS=N (default 0) also gives it N GPUs
+# (gres/gpu on stand-in device files: no real GPU), for sinfo %G and --gpus-per-node jobs.
 set -euo pipefail
 DIR=${RFT_SLURM_DIR:-/tmp/rft-slurm}
 CPUS=${RFT_SLURM_CPUS:-$(( $(nproc) > 4 ? $(nproc) : 4 ))}
 DBD_PORT=${RFT_SLURMDBD_PORT:-6819}
 DB_PORT=${RFT_SLURM_DB_PORT:-3307}
 ACCOUNTING=${RFT_SLURM_ACCOUNTING:-1}
+GPUS=${RFT_SLURM_GPUS:-0}
 
 install() {
     local want="slurm-wlm"
@@ -73,6 +75,22 @@ start_accounting() {
 start() {
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
     local mem; mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
+    # RFT_SLURM_GPUS: GresTypes and Gres= on the node line, or nothing at all (the default config
+    # stays as it was), and gres.conf beside slurm.conf (slurmd reads it there). slurmd drops a
+    # gpu without File=, so each names a stand-in for /dev/null here (a character device, so that
+    # jobs get CUDA_VISIBLE_DEVICES as on a GPU node; a plain file if mknod is denied: none then)
+    local gres_types="" node_gres="" i
+    case $GPUS in ''|*[!0-9]*) echo "RFT_SLURM_GPUS must be a number, not '$GPUS'" >&2; exit 1;; esac
+    rm -rf "$DIR/gres.conf" "$DIR/gpu"
+    if [ "$GPUS" -gt 0 ]; then
+        gres_types=$'GresTypes=gpu\n' node_gres=" Gres=gpu:$GPUS"
+        mkdir "$DIR/gpu"
+        echo "AutoDetect=off" > "$DIR/gres.conf"
+        for (( i = 0; i < GPUS; i++ )); do
+            mknod "$DIR/gpu/gpu$i" c 1 3 2>/dev/null || : > "$DIR/gpu/gpu$i"
+            echo "NodeName=localhost Name=gpu File=$DIR/gpu/gpu$i" >> "$DIR/gres.conf"
+        done
+    fi
     cat > "$DIR/slurm.conf" <<EOF
 ClusterName=rftlocal
 SlurmctldHost=localhost
@@ -106,7 +124,7 @@ KillWait=5
 # a requeued job may start again after the credential lifetime (default 120 s); tests requeue
 AuthInfo=cred_expire=10
 MinJobAge=300
-NodeName=localhost NodeHostname=localhost CPUs=$CPUS RealMemory=$mem State=UNKNOWN
+${gres_types}NodeName=localhost NodeHostname=localhost CPUs=$CPUS RealMemory=$mem$node_gres State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF="$DIR/slurm.conf"

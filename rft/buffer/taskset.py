@@ -236,12 +236,24 @@ class TaskCursor:
         self._epoch, self._position = epoch, position
 
 
-def read_stage_tasks(path: str, data, skipped: dict[str, int], preferences: bool = False) -> list[Task]:
-    """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record how many
-    malformed rows it skipped in `skipped` (path -> count), which the run summary reports.
+def read_stage_tasks(path: str, data, rows: dict[str, dict[str, int]], preferences: bool = False) -> list[Task]:
+    """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record in
+    `rows[path]["malformed"]` how many malformed rows it skipped (the run summary reports them;
+    rft/buffer/context_fit.py adds the rows longer than the context).
     `preferences`: rows are (prompt, chosen, rejected) pairs (data.chosen_key, data.rejected_key)."""
     answer_key = data.chosen_key if preferences else data.answer_key
     tasks, report = read_taskset(path, data.prompt_key, answer_key, data.prompt_template,
                                  data.rejected_key if preferences else None)
-    skipped[report.path] = report.skipped
+    rows[report.path] = {"malformed": report.skipped}
     return tasks
+
+
+def row_scalars(rows: dict[str, dict[str, int]], paths: list[str]) -> dict[str, float]:
+    """TensorBoard scalars for the rows a stage's tasksets lost: `data/malformed_rows`,
+    `data/overlong_skipped`, `data/overlong_truncated` (summed over `paths`)."""
+    total = {"malformed": 0, "overlong_skipped": 0, "truncated": 0}
+    for path in dict.fromkeys(p for p in paths if p):
+        for key, n in rows.get(path, {}).items():
+            total[key] = total.get(key, 0) + n
+    return {"data/malformed_rows": float(total["malformed"]), "data/overlong_skipped": float(total["overlong_skipped"]),
+            "data/overlong_truncated": float(total["truncated"])}

@@ -21,23 +21,18 @@ import torch
 
 from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_stage_tasks
-from rft.checkpoint import Resume, save_rank_state
+from rft.buffer.context_fit import ContextFit
+from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
+from rft.checkpoint import Resume, SaveClock, save_rank_state
 from rft.cluster import RankInfo, engine_span, sync_layout
-from rft.config import RFTConfig, needs_rollouts, stage_configs
+from rft.config import RFTConfig, context_length, needs_rollouts, stage_configs
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflow import evaluate, run_filtered, run_single_turn
-from rft.monitor import Monitor, append_jsonl, drop_from_step, eval_path, rank_summary_path, write_json_atomic
+from rft.monitor import (Monitor, append_jsonl, drop_from_step, eval_path, peak_rss_gb, rank_summary_path,
+                         write_json_atomic)
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.schedule import is_eval_step, paired_trainer_steps, publishes_after
-
-
-def max_model_len(cfg: RFTConfig) -> int:
-    from transformers import AutoConfig
-
-    limit = AutoConfig.from_pretrained(cfg.model.path).max_position_embeddings
-    return min(limit, 4096)
 
 
 def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: StopFlag,
@@ -46,7 +41,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
     run_dir = cfg.run.output_dir
     t_start = time.time()
     stop.ignore_in_children()  # vLLM's worker processes must survive Slurm's SIGUSR2
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, max_model_len(cfg))
+    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model))
     stop.install()
     startup_s = time.time() - t_start  # overlaps the trainer's first steps
     saved = resume.load(info.rank) if resume else None
@@ -58,19 +53,24 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
     global_step, joined = (saved["global_step"], False) if saved else (0, False)
     totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": 0.0}
-    skipped: dict[str, int] = {}
+    row_counts: dict[str, dict[str, int]] = {}  # per taskset: rows skipped (malformed, overlong), truncated
     reward_errors, prior_wall_s = 0, 0.0
     if saved:
-        totals, skipped, reward_errors = saved["totals"], saved["skipped"], saved["reward_errors"]
+        totals, row_counts, reward_errors = saved["totals"], saved["skipped"], saved["reward_errors"]
         prior_wall_s, engine.version = saved["wall_s"], saved["version"]
     totals["startup_s"] += startup_s
+    save_clock = SaveClock(cfg.trainer.save_every_min)
     for stage_index, (stage_name, stage) in enumerate(stage_configs(cfg)):
         if saved and stage_index < saved["stage_index"]:
             continue
         algo, rollout, data = stage.algorithm, stage.rollout, stage.data
         eval_scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
         scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
-        eval_tasks = read_stage_tasks(data.eval_path, data, skipped)[: data.eval_limit] if data.eval_path else []
+        fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), data.overlong)
+        eval_tasks = []
+        if data.eval_path:
+            eval_tasks = fit.for_rollouts(read_stage_tasks(data.eval_path, data, row_counts), data.eval_path,
+                                          rollout.max_new_tokens, row_counts)[: data.eval_limit]
 
         def run_eval(when: str) -> None:
             if not eval_tasks:
@@ -86,7 +86,9 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
 
         cursor = None
         if needs_rollouts(stage):
-            cursor = TaskCursor(read_stage_tasks(data.train_path, data, skipped), cfg.seed + stage_index)
+            tasks = fit.for_rollouts(read_stage_tasks(data.train_path, data, row_counts), data.train_path,
+                                     rollout.max_new_tokens, row_counts)
+            cursor = TaskCursor(tasks, cfg.seed + stage_index)
         first_step, pending, voted = 0, None, None
         stage_start = global_step  # global steps done before this stage (the same count for the trainer)
         if saved and stage_index == saved["stage_index"]:
@@ -96,6 +98,8 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
             stage_start = saved["global_step"] - saved["step"] - 1
             saved = None
         else:
+            stage_files = [data.eval_path] + ([data.train_path] if cursor else [])
+            monitor.log(global_step, row_scalars(row_counts, stage_files), stage_name)
             run_eval("start")
         for step in range(first_step, stage.trainer.max_steps):
             if pending is not None:  # resumed: this step's experience was written before the checkpoint
@@ -132,17 +136,18 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
                         continue
                 else:
                     # the control point, in step with the trainer's step t (rft/preemption.py)
-                    stopping = control.any(stop.requested)
+                    stopping, save_due = control.vote(stop.requested, save_clock.due())
                     done = stage_start + t + 1  # the trainer's global steps: what the checkpoint is named by
-                    if stopping or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
+                    if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
                         save_rank_state(run_dir, done, info.rank, {
                             "global_step": global_step, "stage_index": stage_index, "step": step, "voted": t,
                             "cursor": cursor.state_dict() if cursor else None, "version": engine.version,
-                            "scalars": scalars, "totals": totals, "skipped": skipped,
+                            "scalars": scalars, "totals": totals, "skipped": row_counts,
                             "reward_errors": reward_errors + scorer.errors + scorer.timeouts
                             + eval_scorer.errors + eval_scorer.timeouts,
                             "wall_s": prior_wall_s + time.time() - t_start})
                         control.any(False)  # every rank's file is written: the checkpoint is complete
+                        save_clock.saved()
                         if stopping:
                             monitor.close()
                             requeue_or_stop(control, stop, run_dir, done, cfg.cluster.max_requeues)
@@ -165,7 +170,7 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: St
         eval_scorer.close()
     monitor.close()
     summary = {"role": "rollout", "rank": info.rank, "steps": global_step, "version": engine.version,
-               "wall_s": prior_wall_s + time.time() - t_start, "skipped_rows": skipped,
-               "reward_errors": reward_errors, **totals}
+               "wall_s": prior_wall_s + time.time() - t_start, "skipped_rows": row_counts,
+               "reward_errors": reward_errors, "peak_rss_gb": peak_rss_gb(), **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

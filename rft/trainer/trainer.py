@@ -17,12 +17,13 @@ import torch
 import torch.distributed as dist
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_stage_tasks
-from rft.checkpoint import Resume, prune, save_rank_state, set_rng_state
+from rft.buffer.context_fit import ContextFit
+from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
+from rft.checkpoint import Resume, SaveClock, prune, save_rank_state, set_rng_state
 from rft.cluster import RankInfo, sync_layout
-from rft.config import RFTConfig, needs_critic, needs_rollouts, stage_configs, wire_dtype
+from rft.config import RFTConfig, context_length, needs_critic, needs_rollouts, stage_configs, wire_dtype
 from rft.explorer.prompts import format_prompt, reference_response
-from rft.monitor import Monitor, progress_path, rank_summary_path, write_json_atomic
+from rft.monitor import Monitor, peak_rss_gb, progress_path, rank_summary_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.schedule import publishes_after
 from rft.trainer.critic import Critic
@@ -188,8 +189,9 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
     global_step = saved["global_step"] if saved else 0
     totals = {"train_s": 0.0, "sync_s": 0.0, "buffer_s": 0.0, "wait_s": 0.0, "stale_dropped": 0, "stale_reweighted": 0}
     totals.update(saved["totals"] if saved else {})
-    skipped: dict[str, int] = saved["skipped"] if saved else {}
+    row_counts: dict[str, dict[str, int]] = saved["skipped"] if saved else {}  # per taskset: rows skipped, truncated
     prior_wall_s = saved["wall_s"] if saved else 0.0
+    save_clock = SaveClock(cfg.trainer.save_every_min)
     if saved:
         model.load_state_dict(saved["model"])
         publisher.version = saved["version"]
@@ -210,8 +212,13 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
         critic = Critic.build(cfg.model.path, cfg.model.dtype, model, algo, cfg.seed) if needs_critic(stage) else None
         cursor = None
         if not needs_rollouts(stage):
-            cursor = TaskCursor(read_stage_tasks(stage.data.train_path, stage.data, skipped, preferences=is_dpo),
-                                cfg.seed + stage_index)
+            fit = ContextFit(tokenizer, cfg.model.chat_template, context_length(cfg.model), stage.data.overlong)
+            path = stage.data.train_path
+            tasks = read_stage_tasks(path, stage.data, row_counts, preferences=is_dpo)
+            tasks = fit.for_references(tasks, path, row_counts, preferences=is_dpo)
+            cursor = TaskCursor(tasks, cfg.seed + stage_index)
+            if monitor is not None and not (saved and stage_index == saved["stage_index"]):
+                monitor.log(global_step, row_scalars(row_counts, [path]), stage_name)
         first_step, pending = 0, None
         if saved and stage_index == saved["stage_index"]:
             optimizer.load_state_dict(saved["optimizer"])
@@ -274,10 +281,10 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                                 "perf/train_tokens_per_s": metrics["train/tokens"] / max(t2 - t1, 1e-9),
                                 "actor/lr": scheduler.get_last_lr()[0]})
                 # the control point: every rank of the job agrees here whether to stop
-                stopping = control.any(stop.requested)
-                if stopping or (cfg.trainer.save_interval and global_step % cfg.trainer.save_interval == 0):
+                stopping, save_due = control.vote(stop.requested, save_clock.due())
+                if stopping or save_due or (cfg.trainer.save_interval and global_step % cfg.trainer.save_interval == 0):
                     position = {"global_step": global_step, "stage_index": stage_index, "step": step,
-                                "scalars": scalars, "totals": totals, "skipped": skipped,
+                                "scalars": scalars, "totals": totals, "skipped": row_counts,
                                 "wall_s": prior_wall_s + time.time() - run_start}
                     save_rank_state(run_dir, global_step, info.rank,
                                     _trainer_state(model, optimizer, scheduler, ref_model, cursor, publisher,
@@ -285,6 +292,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                     if cfg.trainer.save_hf:
                         publisher.export_hf(model, global_step, os.path.join(run_dir, "checkpoints", "hf"))
                     control.any(False)  # every rank's file is written: the checkpoint is complete
+                    save_clock.saved()
                     if info.rank == 0:
                         prune(run_dir, control.members, cfg.trainer.keep_checkpoints)
                     if stopping:
@@ -309,6 +317,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
     if monitor is not None:
         monitor.close()
     summary = {"role": "trainer", "rank": info.rank, "steps": global_step,
-               "wall_s": prior_wall_s + time.time() - run_start, "skipped_rows": skipped, **totals}
+               "wall_s": prior_wall_s + time.time() - run_start, "skipped_rows": row_counts,
+               "peak_rss_gb": peak_rss_gb(), **totals}
     write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
     return summary

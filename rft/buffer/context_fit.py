@@ -1,0 +1,120 @@
+"""Rows longer than the model's context never reach vLLM or Megatron.
+
+A task needs `prompt tokens + response tokens` positions: for rollouts and eval the response is
+`rollout.max_new_tokens` long at most, for SFT it is the reference answer, for DPO the longer of
+the two answers. A row that needs more than the context (`model.max_seq_len`, capped by the
+model's `max_position_embeddings`) is handled by `data.overlong`:
+
+    skip           dropped and counted (the run summary and TensorBoard's `data/overlong_skipped`)
+    truncate_left  the prompt loses its beginning, whole tokens, until the row fits (the answer,
+                   the template's suffix and the chat scaffolding stay); counted as truncated
+    error          the run stops, naming the row, its length and the context
+
+Why it matters: one overlong row padded into a microbatch makes attention quadratic in its length
+(a 20x longer row took a trainer rank to 23 GB), and vLLM refuses a prompt longer than its
+max_model_len. With every row within the context, a trainer microbatch holds at most
+`trainer.micro_batch_size x context` tokens, whatever the data holds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from rft.buffer.taskset import Task
+from rft.explorer.prompts import format_prompt, reference_response
+_EXAMPLES = 3  # overlong rows named in the rank's log per taskset
+_CHUNK = 1024  # rows tokenized per call: bounded memory on large tasksets
+
+
+def row_label(path: str, index: int) -> str:
+    """Where a row is in its file: jsonl rows by line number, other formats by 0-based row."""
+    return f"line {index + 1}" if path.endswith((".jsonl", ".json")) else f"row {index}"
+
+
+@dataclass
+class ContextFit:
+    """Fits one rank's tasksets into `context` tokens with `policy`. Each call adds what it did to
+    `rows[path]` (`overlong_skipped`, `truncated`), the run's per-file row counts."""
+
+    tokenizer: object
+    chat_template: bool
+    context: int
+    policy: str = "skip"
+
+    def for_rollouts(self, tasks: list[Task], path: str, max_new_tokens: int,
+                     rows: dict[str, dict[str, int]]) -> list[Task]:
+        """Tasks whose prompt (as vLLM tokenizes it) plus `max_new_tokens` fit."""
+        return self._fit(tasks, path, lambda t: max_new_tokens, True, rows)
+
+    def for_references(self, tasks: list[Task], path: str, rows: dict[str, dict[str, int]],
+                       preferences: bool = False) -> list[Task]:
+        """SFT rows (prompt + reference answer + EOS) or DPO pairs (prompt + the longer answer)."""
+        def answer_tokens(task: Task) -> int:
+            answers = [task.answer] + ([task.rejected] if preferences and task.rejected is not None else [])
+            return max(len(reference_response(a, self.tokenizer)) for a in answers)
+
+        return self._fit(tasks, path, answer_tokens, False, rows)
+
+    def _prompt_lengths(self, tasks: list[Task], special_tokens: bool) -> list[int]:
+        lengths: list[int] = []
+        for start in range(0, len(tasks), _CHUNK):
+            texts = [format_prompt(t, self.tokenizer, self.chat_template) for t in tasks[start:start + _CHUNK]]
+            ids = self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
+            lengths += [len(x) for x in ids]
+        return lengths
+
+    def _fit(self, tasks: list[Task], path: str, response_tokens: Callable[[Task], int],
+             special_tokens: bool, rows: dict[str, dict[str, int]]) -> list[Task]:
+        kept: list[Task] = []
+        counts = {"overlong_skipped": 0, "truncated": 0}
+        examples: list[str] = []
+        for task, prompt_len in zip(tasks, self._prompt_lengths(tasks, special_tokens)):
+            answer_len = response_tokens(task)
+            if prompt_len + answer_len <= self.context:
+                kept.append(task)
+                continue
+            where = f"{row_label(path, task.index)} of {path}"
+            need = f"needs {prompt_len + answer_len} tokens (prompt {prompt_len} + response {answer_len})"
+            if self.policy == "error":
+                raise ValueError(
+                    f"{where} {need}, more than the model's context of {self.context} "
+                    "(model.max_seq_len, capped by max_position_embeddings) and data.overlong=error; "
+                    "set data.overlong=skip or truncate_left, raise model.max_seq_len if the model allows, "
+                    "or shorten the row")
+            fitted = None
+            if self.policy == "truncate_left":
+                fitted = self._truncate_left(task, prompt_len, self.context - answer_len, special_tokens)
+            if fitted is None:
+                counts["overlong_skipped"] += 1
+            else:
+                counts["truncated"] += 1
+                kept.append(fitted)
+            if len(examples) < _EXAMPLES:
+                examples.append(f"{row_label(path, task.index)} {need}")
+        if examples:
+            print(f"{path}: {counts['overlong_skipped']} row(s) longer than the context of {self.context} tokens "
+                  f"skipped, {counts['truncated']} truncated (data.overlong={self.policy}); e.g. "
+                  + "; ".join(examples), flush=True)
+        rows.setdefault(path, {}).update(counts)
+        if tasks and not kept:
+            raise ValueError(
+                f"every row of {path} is longer than the model's context of {self.context} tokens "
+                f"(e.g. {examples[0]}); raise model.max_seq_len if the model allows, lower "
+                "rollout.max_new_tokens, or set data.overlong=truncate_left")
+        return kept
+
+    def _truncate_left(self, task: Task, prompt_len: int, prompt_budget: int, special_tokens: bool) -> Task | None:
+        """The task with the start of its prompt text cut, whole tokens at a time, until the
+        formatted prompt (now `prompt_len` tokens) takes at most `prompt_budget`; None if even one
+        token of prompt text leaves no room."""
+        ids = self.tokenizer(task.prompt, add_special_tokens=False)["input_ids"]
+        drop = prompt_len - prompt_budget
+        while drop < len(ids):
+            candidate = replace(task, prompt=self.tokenizer.decode(ids[drop:]))
+            excess = self._prompt_lengths([candidate], special_tokens)[0] - prompt_budget
+            if excess <= 0:
+                return candidate
+            # decoding and re-encoding can merge tokens at the cut: step by what is still over
+            drop += excess
+        return None

@@ -111,7 +111,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
         stop = StopFlag()
         stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
         resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
-        job_id = _slurm_job_id()
+        job_id = _slurm_job_id() if cfg.cluster.kind == "slurm" else None  # (a local run may sit in an salloc)
         if info.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json
             from rft.runtime.run_dir import check_job_owns
 

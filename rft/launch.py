@@ -80,6 +80,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
     table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap, never cut to "..." (logs are 80 columns wide)
     if cfg.mode == "bench":
         from rft.bench import bench_checkpoints
 

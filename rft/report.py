@@ -282,9 +282,9 @@ def print_summary(summary: dict) -> None:
         console.print("peak memory: " + ", ".join(f"{role} rank {gb:.1f} GiB"
                                                   for role, gb in summary["peak_rss_gb"].items()))
     for path, counts in summary["skipped_rows"].items():
-        for key, what in (("malformed", "skipped {n} malformed rows"),
-                          ("overlong_skipped", "skipped {n} rows longer than the model's context (data.overlong=skip)"),
-                          ("truncated", "truncated the prompts of {n} rows longer than the model's context")):
+        for key, what in (("malformed", "skipped {n} malformed row(s)"),
+                          ("overlong_skipped", "skipped {n} row(s) longer than the model's context (data.overlong=skip)"),
+                          ("truncated", "truncated the prompts of {n} row(s) longer than the model's context")):
             if counts.get(key):
                 console.print(f"[yellow]{what.format(n=counts[key])} in {path}", soft_wrap=True)
     stale = summary.get("stale", {})

@@ -210,15 +210,14 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
             ref_model.eval().requires_grad_(False)
         # PPO's value model, its trunk a copy of the policy at stage start (rft/trainer/critic.py)
         critic = Critic.build(cfg.model.path, cfg.model.dtype, model, algo, cfg.seed) if needs_critic(stage) else None
-        cursor = None
+        cursor, data_scalars = None, {}
         if not needs_rollouts(stage):
             fit = ContextFit(tokenizer, cfg.model.chat_template, context_length(cfg.model), stage.data.overlong)
             path = stage.data.train_path
             tasks = read_stage_tasks(path, stage.data, row_counts, preferences=is_dpo)
             tasks = fit.for_references(tasks, path, row_counts, preferences=is_dpo)
             cursor = TaskCursor(tasks, cfg.seed + stage_index)
-            if monitor is not None and not (saved and stage_index == saved["stage_index"]):
-                monitor.log(global_step, row_scalars(row_counts, [path]), stage_name)
+            data_scalars = row_scalars(row_counts, [path])  # logged with the stage's first step
         first_step, pending = 0, None
         if saved and stage_index == saved["stage_index"]:
             optimizer.load_state_dict(saved["optimizer"])
@@ -277,6 +276,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                 totals["train_s"] += t2 - t1
                 totals["buffer_s"] += io_s
                 scalars.update(metrics)
+                scalars.update(data_scalars)
+                data_scalars = {}
                 scalars.update({"timing/train_s": t2 - t1,
                                 "perf/train_tokens_per_s": metrics["train/tokens"] / max(t2 - t1, 1e-9),
                                 "actor/lr": scheduler.get_last_lr()[0]})

@@ -10,13 +10,14 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def launch(*overrides: str, timeout: int = 1200) -> subprocess.CompletedProcess:
+def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """`python -m rft.launch`; on this machine (cluster=local) unless an override names a cluster,
-    since `cluster=auto` would pick the test Slurm when tests/slurm has started one."""
+    since `cluster=auto` would pick the test Slurm when tests/slurm has started one. `env`: the
+    launcher's environment (default: this process's), e.g. another Slurm's SLURM_CONF."""
     if not any(o.startswith("cluster=") for o in overrides):
         overrides = ("cluster=local", *overrides)
     return subprocess.run([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:

@@ -2,11 +2,13 @@
 the rank that died and its log, without hanging."""
 
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 
-from tests.e2e.helpers import launch
+from tests.e2e.helpers import REPO, launch
 
 
 def test_missing_model_path_stops_before_launch(tmp_path):
@@ -15,6 +17,31 @@ def test_missing_model_path_stops_before_launch(tmp_path):
     assert result.returncode == 2
     assert "model.path" in result.stderr and "prepare_smollm2" in result.stderr
     assert not os.path.exists(tmp_path / "run" / "logs"), "nothing may be submitted"
+
+
+def test_unset_model_path_names_the_key_and_the_line_to_add(tmp_path):
+    """The headline command without model.path (the recipe's model has no default location)."""
+    env = {k: v for k, v in os.environ.items() if k != "RFT_QWEN2_5_1_5B_DIR"}
+    result = subprocess.run([sys.executable, "-m", "rft.launch", "+experiment=gsm8k_grpo", "cluster=local",
+                             f"run.output_dir={tmp_path}/run"], cwd=REPO, capture_output=True, text=True,
+                            timeout=120, env=env)
+    assert result.returncode == 2
+    assert "model.path must be set (HF model directory" in result.stderr
+    assert "python -m rft.launch +experiment=gsm8k_grpo cluster=local" in result.stderr
+    assert "model.path=/path/to/hf_model" in result.stderr and "prepare_smollm2" in result.stderr
+    assert "Traceback" not in result.stderr and "MissingMandatoryValue" not in result.stderr
+    assert "HYDRA_FULL_ERROR" not in result.stderr
+    assert set(os.listdir(tmp_path / "run")) <= {"hydra"}, "nothing but Hydra's own log may be written"
+
+
+def test_gpu_model_refused_where_there_is_no_gpu(tmp_path, gsm8k_dir):
+    """Qwen2.5-1.5B (model.needs_gpu) on this CPU machine: refused before anything starts."""
+    smollm2 = os.path.expanduser("~/.cache/rft/models/smollm2-135m-instruct")
+    result = launch("+experiment=gsm8k_grpo", f"model.path={smollm2}", f"run.output_dir={tmp_path}/run", timeout=120)
+    assert result.returncode == 2
+    assert "model.needs_gpu=True" in result.stderr and "needs GPUs" in result.stderr
+    assert "model=smollm2_135m" in result.stderr
+    assert set(os.listdir(tmp_path / "run")) <= {"hydra"}
 
 
 def test_missing_dataset_stops_before_launch(tmp_path):
@@ -36,7 +63,8 @@ def test_dead_rank_makes_launcher_exit_with_rank_and_log(tmp_path):
                     f"data.train_path={bad}", f"data.eval_path={bad}", timeout=600)
     assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
     out = result.stdout
-    assert "rank 0 failed" in out and "has no valid rows" in out
+    assert "rank 0 failed: ValueError: taskset" in out and "has no valid rows" in out
+    assert "Traceback" not in out + result.stderr  # the clear message only; the traceback is in the log
     log = out.split("log: ")[1].split()[0]
     assert os.path.exists(log) and log.endswith("_0_log.err")
     assert time.time() - started < 300

@@ -127,3 +127,18 @@ def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_pat
     assert layout.peer_names(1)[0] == "trainer rank 4 (PP stage 1)"
     assert sync_layout(cfg, info, on_gpu=False).engine == "gloo"
     assert layout.checkpoint_dir == os.path.join(str(tmp_path), "weights")
+
+
+def test_site_profile_composes_from_the_repo_and_from_a_config_dir(tmp_path):
+    """conf/cluster/site_example.yaml builds on cluster=slurm; a copy in a directory of the user's
+    (`--config-dir`, here Hydra's search path) composes alike."""
+    cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", "cluster=site_example", f"run.output_dir={tmp_path}")
+    assert cfg.cluster.kind == "slurm" and cfg.cluster.partition == "gpu" and cfg.cluster.max_requeues == 3
+    assert cfg.cluster.gpus_per_node is None and cfg.cluster.env["NCCL_IB_HCA"] == "mlx5"
+    site = tmp_path / "site" / "cluster"
+    site.mkdir(parents=True)
+    example = open(os.path.join(CONF, "cluster", "site_example.yaml")).read()
+    (site / "mysite.yaml").write_text(example.replace("partition: gpu", "partition: a100"))
+    cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", "cluster=mysite", f"run.output_dir={tmp_path}",
+                      f"hydra.searchpath=[file://{tmp_path / 'site'}]", "cluster.account=other")
+    assert cfg.cluster.kind == "slurm" and cfg.cluster.partition == "a100" and cfg.cluster.account == "other"

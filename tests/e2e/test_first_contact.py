@@ -1,0 +1,124 @@
+"""What a new user hits first, through the real launcher on a shortened quickstart: an overlong
+row in the data, a rank killed mid-run and the run launched again with default settings, a second
+launch into a live run's directory."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from rft.buffer.shards import ExperienceBuffer
+from tests.e2e.helpers import REPO, launch, tensorboard_scalars
+
+CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)
+# Trained, one row 20x the context made this rank reach 10.0 GiB in three SFT steps (attention over
+# a 1290-token row, 64 rows per microbatch); skipped, the run peaks at ~0.7 GiB.
+TRAINER_PEAK_GIB = 2.0
+
+
+def _quickstart_data(tmp_path, long_row: dict | None = None):
+    """A small arithmetic taskset pair (train, eval), each with `long_row` among its rows."""
+    rows = [{"question": f"{a}+{b}=", "answer": str(a + b)} for a in range(10, 60) for b in range(10, 30)]
+    train, evals = tmp_path / "train.jsonl", tmp_path / "eval.jsonl"
+    with open(train, "w") as f:
+        for i, row in enumerate(rows):
+            f.write(json.dumps(row) + "\n")
+            if i == 3 and long_row:
+                f.write(json.dumps(long_row) + "\n")  # line 5
+    with open(evals, "w") as f:
+        f.writelines(json.dumps({"question": f"{a}+{a}=", "answer": str(2 * a)}) + "\n" for a in range(40))
+        if long_row:
+            f.write(json.dumps(long_row) + "\n")  # line 41
+    return ["data.arithmetic=null", f"data.train_path={train}", f"data.eval_path={evals}"]
+
+
+def test_overlong_row_is_skipped_counted_and_memory_stays_bounded(tmp_path):
+    long_row = {"question": "1+1=" * (20 * CONTEXT // 4), "answer": "2"}  # 1280 tokens: 20x the context
+    run_dir = tmp_path / "run"
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", *_quickstart_data(tmp_path, long_row),
+                    "stages.0.trainer.max_steps=30", "stages.1.trainer.max_steps=3", timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert f"<= {CONTEXT} tokens" in result.stdout  # the plan states the bound
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for name in ("train.jsonl", "eval.jsonl"):
+        assert summary["skipped_rows"][str(tmp_path / name)]["overlong_skipped"] == 1
+        assert f"skipped 1 row(s) longer than the model's context (data.overlong=skip) in {tmp_path / name}" \
+            in " ".join(result.stdout.split())
+    trainer = json.loads((run_dir / "metrics" / "summary-rank0.json").read_text())
+    assert trainer["peak_rss_gb"] < TRAINER_PEAK_GIB, trainer["peak_rss_gb"]
+    scalars = tensorboard_scalars(str(run_dir))
+    assert {v for _, v in scalars["data/overlong_skipped"]} == {1.0, 2.0}  # SFT: train; GRPO: train + eval
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    assert "line 5 needs 1282 tokens (prompt 1280 + response 2)" in logs  # SFT: answer "2" + EOS
+
+
+def test_killed_rank_is_named_and_launching_again_finishes(tmp_path):
+    """Default settings (no checkpoint in a short run): the launcher names the killed rank; the same
+    command again starts over, keeping the killed attempt's files."""
+    run_dir = tmp_path / "run"
+    sft, grpo = 40, 12
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+                 *_quickstart_data(tmp_path), f"stages.0.trainer.max_steps={sft}", f"stages.1.trainer.max_steps={grpo}"]
+    first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while _progress_step(run_dir) < sft + 3:  # in GRPO: experience is on disk
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 1
+    assert "rank 1 failed: rollout rank 1 was killed by SIGKILL (signal 9; its memory peaked at" in out
+    assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err  # the message only
+    killed_shards = os.listdir(run_dir / "buffer")
+
+    again = launch(*overrides, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    plan = "".join(again.stdout.split("submitted job")[0].replace("│", " ").split())  # cells wrap long paths
+    assert "".join(f"start over (no complete checkpoint to resume from); the earlier attempt's files are in "
+                   f"{run_dir}/attempts/1".split()) in plan
+    assert sorted(os.listdir(run_dir / "attempts" / "1" / "buffer")) == sorted(killed_shards)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == sft + grpo
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(sft, sft + grpo)]
+    steps = sorted(s for s, _ in tensorboard_scalars(str(run_dir))["loss/policy"])
+    assert steps == list(range(1, sft + grpo + 1))  # the killed attempt's events moved with it
+
+
+def test_second_launch_into_a_live_run_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+                 *_quickstart_data(tmp_path), "stages.0.trainer.max_steps=5000"]
+    first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 300
+        while _progress_step(run_dir) < 1:
+            assert first.poll() is None and time.time() < deadline, first.communicate()
+            time.sleep(0.2)
+        second = launch(*overrides, timeout=120)
+        assert second.returncode == 2
+        assert f"run.output_dir={run_dir} is in use by the launch with pid {first.pid}" in second.stderr
+        assert "Traceback" not in second.stderr
+        assert first.poll() is None, "the refused launch must leave the first one alone"
+        first.send_signal(signal.SIGINT)  # Ctrl-C
+        out, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 130
+    assert f"interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
+    assert "Traceback" not in out + err
+    assert not (run_dir / "owner.json").exists()  # released: the next launch may take it
+
+
+def _progress_step(run_dir) -> int:
+    try:
+        return json.loads((run_dir / "progress.json").read_text())["step"]
+    except (OSError, ValueError, KeyError):
+        return 0

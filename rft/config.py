@@ -410,6 +410,8 @@ def validate(cfg: RFTConfig) -> None:
                      "(rollouts only) or bench")
     if cfg.mode == "bench":
         _check_bench(cfg)
+    if cfg.run.resume not in ("auto", "require", "never"):
+        config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
         config_error("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
     if cfg.cluster.trainer_ranks < 1:

@@ -48,8 +48,8 @@ def saving_ranks(cfg: RFTConfig) -> list[int]:
 def start_or_resume(cfg: RFTConfig) -> str | None:
     """What this launch does with an earlier attempt in run.output_dir (rft/runtime/run_dir.py):
     resume from its newest complete checkpoint, or start over with its files moved to
-    <run>/attempts/<n>. Raises ValueError (the run is finished, or `run.resume=require` and there
-    is nothing to resume). Returns the plan's line about it, or None for a fresh directory."""
+    <run>/attempts/<n>. Raises ValueError (a finished run with `run.resume=auto`, or
+    `run.resume=require` and nothing to resume). Returns the plan's line about it, or None for a fresh directory."""
     from rft.checkpoint import newest_complete
     from rft.runtime.run_dir import finished, has_earlier_attempt, next_attempt_dir, set_aside_attempt
 
@@ -57,10 +57,11 @@ def start_or_resume(cfg: RFTConfig) -> str | None:
     if not has_earlier_attempt(run_dir):
         return None
     resume = newest_complete(run_dir, saving_ranks(cfg))
-    if policy != "never" and finished(run_dir):
+    if policy == "auto" and finished(run_dir):
         config_error("run.output_dir", run_dir,
-                     f"holds a finished run (summary.json); launch into a new run.output_dir, or start it over "
-                     f"with run.resume=never (the finished run is kept in {next_attempt_dir(run_dir)})")
+                     f"holds a finished run (summary.json); launch into a new run.output_dir, start it over with "
+                     f"run.resume=never (the finished run is kept in {next_attempt_dir(run_dir)}), or train its "
+                     "last steps again from its newest checkpoint with run.resume=require")
     if policy != "never" and resume is not None:
         return f"resume from {resume.step_dir} ({resume.done} steps done)"
     if policy == "require":

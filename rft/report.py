@@ -14,6 +14,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from rft.buffer.taskset import file_counts
 from rft.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
 
 console = Console()
@@ -282,9 +283,10 @@ def print_summary(summary: dict) -> None:
         console.print("peak memory: " + ", ".join(f"{role} rank {gb:.1f} GiB"
                                                   for role, gb in summary["peak_rss_gb"].items()))
     for path, counts in summary["skipped_rows"].items():
-        for key, what in (("malformed", "skipped {n} malformed row(s)"),
-                          ("overlong_skipped", "skipped {n} row(s) longer than the model's context (data.overlong=skip)"),
-                          ("truncated", "truncated the prompts of {n} row(s) longer than the model's context")):
+        counts = file_counts(counts)
+        for key, what in (("malformed", "skipped {n} malformed rows"),
+                          ("overlong_skipped", "skipped {n} rows longer than the model's context (data.overlong=skip)"),
+                          ("truncated", "truncated the prompts of {n} rows longer than the model's context")):
             if counts.get(key):
                 console.print(f"[yellow]{what.format(n=counts[key])} in {path}", soft_wrap=True)
     stale = summary.get("stale", {})

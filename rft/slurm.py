@@ -75,11 +75,8 @@ def check_against_cluster(cfg: RFTConfig) -> None:
     partitions = _run(["sinfo", "-h", "-o", "%P"])
     if partitions is None:
         config_error("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
-    names = {p.strip().rstrip("*") for p in partitions.split()}
-    if c.partition and c.partition not in names:
-        config_error("cluster.partition", c.partition, f"not a partition here; sinfo lists {sorted(names)}")
+    found = partition_gpus(c.partition)  # refuses a partition sinfo does not list, naming the key
     if c.gpus_per_node:
-        found = partition_gpus(c.partition)
         name, most = found if found else (c.partition or "(default)", 0)
         if c.gpus_per_node > most:
             config_error("cluster.gpus_per_node", c.gpus_per_node,
@@ -88,7 +85,8 @@ def check_against_cluster(cfg: RFTConfig) -> None:
 
 def partition_gpus(partition: str | None) -> tuple[str, int] | None:
     """(partition name, most GPUs a node of it has) from `sinfo`; the default partition when
-    `partition` is None. None when sinfo does not answer or knows no such partition."""
+    `partition` is None. None when sinfo does not answer or there is no default partition; a
+    partition sinfo does not list is a config error naming cluster.partition."""
     listing = _run(["sinfo", "-h", "-o", "%P|%G"])
     if listing is None:
         return None
@@ -99,6 +97,8 @@ def partition_gpus(partition: str | None) -> tuple[str, int] | None:
         if name.endswith("*"):
             name = default = name.rstrip("*")
         gpus[name] = max(gpus.get(name, 0), _gpus_in_gres(gres))
+    if partition and partition not in gpus:
+        config_error("cluster.partition", partition, f"not a partition here; sinfo lists {sorted(gpus)}")
     name = partition or default
     return (name, gpus[name]) if name in gpus else None
 

@@ -248,12 +248,18 @@ def read_stage_tasks(path: str, data, rows: dict[str, dict[str, int]], preferenc
     return tasks
 
 
+def file_counts(counts: dict[str, int] | int) -> dict[str, int]:
+    """One taskset's row counts; checkpoints written before rows were counted by kind hold the
+    malformed count alone."""
+    return counts if isinstance(counts, dict) else {"malformed": counts}
+
+
 def row_scalars(rows: dict[str, dict[str, int]], paths: list[str]) -> dict[str, float]:
     """TensorBoard scalars for the rows a stage's tasksets lost: `data/malformed_rows`,
     `data/overlong_skipped`, `data/overlong_truncated` (summed over `paths`)."""
     total = {"malformed": 0, "overlong_skipped": 0, "truncated": 0}
     for path in dict.fromkeys(p for p in paths if p):
-        for key, n in rows.get(path, {}).items():
+        for key, n in file_counts(rows.get(path, {})).items():
             total[key] = total.get(key, 0) + n
     return {"data/malformed_rows": float(total["malformed"]), "data/overlong_skipped": float(total["overlong_skipped"]),
             "data/overlong_truncated": float(total["truncated"])}

@@ -44,7 +44,7 @@ def test_overlong_row_is_skipped_counted_and_memory_stays_bounded(tmp_path):
     summary = json.loads((run_dir / "summary.json").read_text())
     for name in ("train.jsonl", "eval.jsonl"):
         assert summary["skipped_rows"][str(tmp_path / name)]["overlong_skipped"] == 1
-        assert f"skipped 1 row(s) longer than the model's context (data.overlong=skip) in {tmp_path / name}" \
+        assert f"skipped 1 rows longer than the model's context (data.overlong=skip) in {tmp_path / name}" \
             in " ".join(result.stdout.split())
     trainer = json.loads((run_dir / "metrics" / "summary-rank0.json").read_text())
     assert trainer["peak_rss_gb"] < TRAINER_PEAK_GIB, trainer["peak_rss_gb"]
@@ -54,18 +54,21 @@ def test_overlong_row_is_skipped_counted_and_memory_stays_bounded(tmp_path):
     assert "line 5 needs 1282 tokens (prompt 1280 + response 2)" in logs  # SFT: answer "2" + EOS
 
 
-def test_killed_rank_is_named_and_launching_again_finishes(tmp_path):
-    """Default settings (no checkpoint in a short run): the launcher names the killed rank; the same
-    command again starts over, keeping the killed attempt's files."""
+SFT, GRPO = 40, 12
+
+
+def _kill_rollout_rank_mid_grpo(tmp_path, *extra: str) -> tuple[list[str], str]:
+    """Launch a short quickstart, kill -9 its rollout rank in GRPO, check what the launcher says;
+    returns the launch's overrides and its stdout."""
     run_dir = tmp_path / "run"
-    sft, grpo = 40, 12
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
-                 *_quickstart_data(tmp_path), f"stages.0.trainer.max_steps={sft}", f"stages.1.trainer.max_steps={grpo}"]
+                 *_quickstart_data(tmp_path), f"stages.0.trainer.max_steps={SFT}", f"stages.1.trainer.max_steps={GRPO}",
+                 *extra]
     first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 300
-        while _progress_step(run_dir) < sft + 3:  # in GRPO: experience is on disk
+        while _progress_step(run_dir) < SFT + 3:  # in GRPO: experience is on disk
             assert first.poll() is None and time.time() < deadline, first.communicate()
             time.sleep(0.2)
         os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
@@ -75,6 +78,23 @@ def test_killed_rank_is_named_and_launching_again_finishes(tmp_path):
     assert first.returncode == 1
     assert "rank 1 failed: rollout rank 1 was killed by SIGKILL (signal 9; its memory peaked at" in out
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err  # the message only
+    return overrides, out
+
+
+def _finished_once(run_dir) -> None:
+    """The run ended as an uninterrupted one: all steps, each GRPO step's experience trained once."""
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == SFT + GRPO
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(SFT, SFT + GRPO)]
+    steps = sorted(s for s, _ in tensorboard_scalars(str(run_dir))["loss/policy"])
+    assert steps == list(range(1, SFT + GRPO + 1))
+
+
+def test_killed_rank_is_named_and_launching_again_finishes(tmp_path):
+    """Default settings (no checkpoint in a short run): the launcher names the killed rank; the same
+    command again starts over, keeping the killed attempt's files."""
+    run_dir = tmp_path / "run"
+    overrides, _ = _kill_rollout_rank_mid_grpo(tmp_path)
     killed_shards = os.listdir(run_dir / "buffer")
 
     again = launch(*overrides, timeout=600)
@@ -83,12 +103,20 @@ def test_killed_rank_is_named_and_launching_again_finishes(tmp_path):
     assert "".join(f"start over (no complete checkpoint to resume from); the earlier attempt's files are in "
                    f"{run_dir}/attempts/1".split()) in plan
     assert sorted(os.listdir(run_dir / "attempts" / "1" / "buffer")) == sorted(killed_shards)
-    summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["steps"] == sft + grpo
-    buffer = ExperienceBuffer(str(run_dir / "buffer"))
-    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(sft, sft + grpo)]
-    steps = sorted(s for s, _ in tensorboard_scalars(str(run_dir))["loss/policy"])
-    assert steps == list(range(1, sft + grpo + 1))  # the killed attempt's events moved with it
+    _finished_once(run_dir)  # the killed attempt's shards and events moved with it
+
+
+def test_checkpoints_by_time_let_a_killed_run_resume(tmp_path):
+    """trainer.save_every_min: every rank votes at each step whether the time has come, so all save
+    the same step; launched again, the run resumes from the newest such checkpoint."""
+    run_dir = tmp_path / "run"
+    overrides, _ = _kill_rollout_rank_mid_grpo(tmp_path, "trainer.save_every_min=0.01")  # ~every step here
+    again = launch(*overrides, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    plan = "".join(again.stdout.split("submitted job")[0].replace("│", " ").split())
+    assert "attemptresumefrom" in plan and "stepsdone)" in plan
+    assert not (run_dir / "attempts").exists()
+    _finished_once(run_dir)
 
 
 def test_second_launch_into_a_live_run_is_refused(tmp_path):

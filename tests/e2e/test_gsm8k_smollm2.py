@@ -37,7 +37,7 @@ def test_gsm8k_grpo_one_step_on_cpu(tmp_path, gsm8k_dir, smollm2_dir):
     assert scalars["loss/kl"][0][1] >= 0.0
     assert len(scalars["eval/accuracy"]) == 2  # before and after the step
     summary = json.load(open(run_dir / "summary.json"))
-    assert summary["skipped_rows"][str(train)] == 2
+    assert summary["skipped_rows"][str(train)]["malformed"] == 2
     assert "skipped 2 malformed rows" in result.stdout
     shard = [n for n in os.listdir(run_dir / "buffer") if n.endswith(".done")]
     assert len(shard) == 1, "the one experience shard was consumed exactly once"

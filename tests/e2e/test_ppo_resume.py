@@ -27,7 +27,7 @@ def test_ppo_resume_restores_the_critic(tmp_path):
     before = _rows(run_dir)[CHECKPOINT + 1]
     assert (run_dir / "checkpoints" / f"step{CHECKPOINT:08d}").is_dir()
 
-    again = launch(*overrides)  # the same run dir: resumes from the newest checkpoint
+    again = launch(*overrides, "run.resume=require")  # the finished run dir: from its newest checkpoint
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
     assert f"checkpoints/step{CHECKPOINT:08d} ({CHECKPOINT} steps done)" in logs

@@ -13,7 +13,7 @@ REQUIRED_SCALARS = [
     "actor/clipfrac", "actor/grad_norm", "eval/accuracy", "timing/rollout_s", "timing/train_s",
     "timing/sync_s", "perf/tokens_per_s", "policy/version_lag",
 ]
-SFT_STEPS, GRPO_STEPS = 800, 40
+SFT_STEPS, GRPO_STEPS = 1500, 40
 
 
 @pytest.fixture(scope="module")

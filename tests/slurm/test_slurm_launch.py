@@ -8,7 +8,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e"))
 from helpers import launch  # noqa: E402
 
-SFT_STEPS, GRPO_STEPS = 800, 40
+SFT_STEPS, GRPO_STEPS = 1500, 40
 
 
 def test_quickstart_runs_and_learns_on_slurm(slurm, tmp_path):

@@ -55,6 +55,7 @@ class DataConfig:
     eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
     prompt_key: str = "question"  # column holding the prompt text
     answer_key: str = "answer"  # column holding the reference answer
+    id_key: Optional[str] = None  # column holding a task id (None: the row's index)
     chosen_key: str = "chosen"  # preference data (DPO): the preferred response
     rejected_key: str = "rejected"  # preference data (DPO): the dispreferred response
     prompt_template: str = "{prompt}"  # format string applied to the prompt column

@@ -3,7 +3,7 @@ aggregations and sample filters (one module each); `registries()` maps Algorithm
 
 from __future__ import annotations
 
-from rft.algorithms.registry import Registry
+from rft.registry import Registry
 
 
 def registries() -> dict[str, Registry]:

@@ -10,8 +10,10 @@ Registry ADVANTAGES, signature
     lam: float = 1.0               gae: GAE lambda
     eps: float = 1e-6              grpo: added to the group std
 
-Built-ins: "grpo", "dr_grpo", "rloo" (group baselines, one advantage per response broadcast over
-its tokens), "reinforce_pp" and "gae" (per-token returns, whitened over the batch's valid tokens).
+Built-ins: "grpo", "dr_grpo", "rloo" (group baselines over `group_ids`, one advantage per
+response broadcast over its tokens; registered with `per_response=True`, which lets the trainer
+score a multi-row trajectory once, rft/trainer/train_step.py), "reinforce_pp" and "gae" (per-token
+returns, whitened over the batch's valid tokens).
 Padding (mask = 0) never influences a result and gets advantage 0. Estimators that whiten over the
 batch (reinforce_pp, gae) must see the whole batch, not one data-parallel shard of it.
 """
@@ -24,7 +26,7 @@ from typing import Any
 import torch
 
 from rft.algorithms.aggregation import zero_padding
-from rft.algorithms.registry import Registry
+from rft.registry import Registry
 
 ADVANTAGES = Registry("advantage estimator", params=("inputs", "cfg"), returns="AdvantageOutputs")
 
@@ -35,17 +37,21 @@ WHITEN_VAR_FLOOR = 1e-8
 
 @dataclass
 class AdvantageInputs:
-    """What an estimator sees. B = groups * group_size responses, groups contiguous.
+    """What an estimator sees: B responses (experience rows), in any order.
 
     rewards: [B] one scalar reward per response.
-    mask: [B, T] 1 on response tokens, 0 on padding (and on tokens not to train on).
+    group_ids: [B] int64, the group of each response (0..G-1): samples of one task, compared with
+        each other by the group-baseline estimators. Groups may be ragged (7 of 8 samples after a
+        failure) and need not be contiguous.
+    mask: [B, T] 1 on response tokens to train, 0 on padding and on tokens the policy did not
+        sample (tool output, environment observations, chat scaffolding).
     values: [B, T] critic values, or None (needed by "gae").
     token_rewards: [B, T] per-token reward shaping (e.g. `kl.kl_penalty_rewards`), or None; added
         to the sequence reward, which sits on each response's last valid token.
     """
 
     rewards: torch.Tensor
-    group_size: int
+    group_ids: torch.Tensor
     mask: torch.Tensor
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
@@ -63,30 +69,45 @@ def _check_inputs(inputs: AdvantageInputs, name: str) -> None:
     mask = inputs.mask
     if mask.dim() != 2:
         raise ValueError(f"{name}: mask must be [B, T], got shape {tuple(mask.shape)}")
-    if inputs.rewards.shape != (mask.shape[0],):
-        raise ValueError(f"{name}: rewards must be [B] = [{mask.shape[0]}] to match the mask, "
-                         f"got shape {tuple(inputs.rewards.shape)}")
+    for field in ("rewards", "group_ids"):
+        if getattr(inputs, field).shape != (mask.shape[0],):
+            raise ValueError(f"{name}: {field} must be [B] = [{mask.shape[0]}] to match the mask, "
+                             f"got shape {tuple(getattr(inputs, field).shape)}")
     for field in ("values", "token_rewards"):
         t = getattr(inputs, field)
         if t is not None and t.shape != mask.shape:
             raise ValueError(f"{name}: {field} must have the mask's shape {tuple(mask.shape)}, "
                              f"got {tuple(t.shape)}")
-    if inputs.group_size < 1 or mask.shape[0] % inputs.group_size:
-        raise ValueError(f"{name}: {mask.shape[0]} responses do not split into groups of "
-                         f"{inputs.group_size}")
+    if inputs.group_ids.numel() and int(inputs.group_ids.min()) < 0:
+        raise ValueError(f"{name}: group_ids must be >= 0 (see rft.algorithms.advantages.group_index)")
 
 
-def _grouped_rewards(inputs: AdvantageInputs, name: str) -> torch.Tensor:
-    """Rewards as [groups, group_size] for the group-baseline estimators."""
+def group_index(keys: list) -> torch.Tensor:
+    """Group ids 0..G-1 [B] from any hashable per-row keys (experience `group_id` strings), in
+    order of first appearance."""
+    index: dict = {}
+    return torch.tensor([index.setdefault(k, len(index)) for k in keys], dtype=torch.int64)
+
+
+def group_stats(values: torch.Tensor, group_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: (its group's size, sum, unbiased std) of `values` [B]; std is 0 for a group of one."""
+    groups = int(group_ids.max()) + 1 if group_ids.numel() else 0
+    count = torch.zeros(groups).index_add_(0, group_ids, torch.ones_like(values))
+    total = torch.zeros(groups).index_add_(0, group_ids, values)
+    mean = total / count
+    squares = torch.zeros(groups).index_add_(0, group_ids, (values - mean[group_ids]) ** 2)
+    std = (squares / (count - 1).clamp(min=1)).sqrt()
+    return count[group_ids], total[group_ids], std[group_ids]
+
+
+def _group_rewards(inputs: AdvantageInputs, name: str) -> torch.Tensor:
+    """Rewards [B] for the group-baseline estimators."""
     _check_inputs(inputs, name)
-    if inputs.group_size < 2:
-        raise ValueError(f"{name} needs group_size >= 2 to form a baseline from the other samples "
-                         f"(got {inputs.group_size}); use reinforce_pp or gae for single samples")
     if inputs.token_rewards is not None:
         # silently dropping a KL-in-reward penalty would train a different objective than asked
         raise ValueError(f"{name} uses one reward per response and would ignore token_rewards; "
                          f"use reinforce_pp or gae for per-token rewards, or a KL loss term")
-    return inputs.rewards.detach().float().view(-1, inputs.group_size)
+    return inputs.rewards.detach().float()
 
 
 def _broadcast(per_response: torch.Tensor, mask: torch.Tensor) -> AdvantageOutputs:
@@ -95,32 +116,37 @@ def _broadcast(per_response: torch.Tensor, mask: torch.Tensor) -> AdvantageOutpu
     return AdvantageOutputs(advantages=zero_padding(expanded, mask))
 
 
-@ADVANTAGES.register("grpo")
+@ADVANTAGES.register("grpo", per_response=True)
 def grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """GRPO (DeepSeekMath): (r - group mean) / (unbiased group std + eps), or only centred when
-    cfg.norm_adv_by_std is False. A group whose rewards are all equal gets 0 (as verl, TRL)."""
-    grouped = _grouped_rewards(inputs, "grpo")
-    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    cfg.norm_adv_by_std is False. A group whose rewards are all equal, or a group of one sample,
+    gets 0 (as verl, TRL)."""
+    rewards = _group_rewards(inputs, "grpo")
+    count, total, std = group_stats(rewards, inputs.group_ids)
+    centred = rewards - total / count
     if getattr(cfg, "norm_adv_by_std", True):
-        centred = centred / (grouped.std(dim=1, keepdim=True) + getattr(cfg, "eps", 1e-6))
+        centred = centred / (std + getattr(cfg, "eps", 1e-6))
     return _broadcast(centred, inputs.mask)
 
 
-@ADVANTAGES.register("dr_grpo")
+@ADVANTAGES.register("dr_grpo", per_response=True)
 def dr_grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training"): r - group mean, never
     divided by the std, which over-weights groups that are nearly all right or all wrong."""
-    grouped = _grouped_rewards(inputs, "dr_grpo")
-    return _broadcast(grouped - grouped.mean(dim=1, keepdim=True), inputs.mask)
+    rewards = _group_rewards(inputs, "dr_grpo")
+    count, total, _ = group_stats(rewards, inputs.group_ids)
+    return _broadcast(rewards - total / count, inputs.mask)
 
 
-@ADVANTAGES.register("rloo")
+@ADVANTAGES.register("rloo", per_response=True)
 def rloo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """RLOO (Ahmadian et al.; verl/OpenRLHF "rloo"): r_i minus the mean of the group's other
-    rewards, an unbiased baseline because it does not depend on sample i."""
-    grouped = _grouped_rewards(inputs, "rloo")
-    others_mean = (grouped.sum(dim=1, keepdim=True) - grouped) / (inputs.group_size - 1)
-    return _broadcast(grouped - others_mean, inputs.mask)
+    rewards, an unbiased baseline because it does not depend on sample i. A group of one sample
+    has no other rewards: advantage 0."""
+    rewards = _group_rewards(inputs, "rloo")
+    count, total, _ = group_stats(rewards, inputs.group_ids)
+    others_mean = (total - rewards) / (count - 1).clamp(min=1)
+    return _broadcast(torch.where(count > 1, rewards - others_mean, torch.zeros_like(rewards)), inputs.mask)
 
 
 def token_level_rewards(inputs: AdvantageInputs) -> torch.Tensor:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import torch
 
-from rft.algorithms.registry import Registry
+from rft.registry import Registry
 
 AGGREGATIONS = Registry("loss aggregation", params=("per_token", "mask"),
                         keyword_only=("num_tokens", "num_seqs", "norm_len"),

@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from rft.algorithms.aggregation import zero_padding
-from rft.algorithms.registry import Registry
+from rft.registry import Registry
 
 KL_ESTIMATORS = Registry("KL estimator", params=("logprobs", "ref_logprobs"),
                          returns="per-token KL [B, T]")

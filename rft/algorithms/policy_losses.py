@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from rft.algorithms.aggregation import masked_token_mean, zero_padding
-from rft.algorithms.registry import Registry
+from rft.registry import Registry
 
 POLICY_LOSSES = Registry("policy loss", params=("logprobs", "old_logprobs", "advantages", "mask", "cfg"),
                          returns="tuple[per_token_loss [B, T], dict[str, Tensor]]")

@@ -103,22 +103,16 @@ class ExperienceBuffer:
 
     # ---- producer side ---------------------------------------------------------------------
 
-    def write(self, columns: dict[str, list], *, step: int, producer: int, version: int) -> str:
-        """Publish one shard atomically and return its final path."""
+    def write(self, columns: dict[str, list] | pa.Table, *, step: int, producer: int, version: int) -> str:
+        """Publish one shard atomically and return its final path. `columns`: a table (e.g. experience
+        rows, rft/buffer/experience.py, which carry their own `version`) or plain columns."""
         if step < 0 or producer < 0:
             raise ValueError(f"step and producer must be >= 0, got step={step}, producer={producer}")
-        if not columns:
-            raise ValueError("write() got no columns; pass e.g. {'input_ids': [...], 'reward': [...]}")
-        if reserved := [k for k in _RESERVED if k in columns]:
-            raise ValueError(f"experience column {reserved[0]!r} is reserved (write() adds it); rename yours")
-        lengths = {k: len(v) for k, v in columns.items()}
-        rows = next(iter(lengths.values()))
-        if any(n != rows for n in lengths.values()):
-            raise ValueError(f"experience columns differ in length: {lengths}; every column needs one value per row")
-        arrays = {k: _column(k, v) for k, v in columns.items()}
-        arrays["version"] = pa.array([version] * rows, type=pa.int64())
-        arrays["step"] = pa.array([step] * rows, type=pa.int64())
-        table = pa.table(arrays)
+        if isinstance(columns, pa.Table):
+            table = self._stamped(columns, step, version)
+        else:
+            table = self._from_columns(columns, step, version)
+        rows = table.num_rows
 
         name = f"step{step:08d}-p{producer:03d}.{self.fmt}"
         final = os.path.join(self.root, name)
@@ -151,6 +145,29 @@ class ExperienceBuffer:
             raise
         _fsync_dir(self.root)
         return final
+
+    @staticmethod
+    def _stamped(table: pa.Table, step: int, version: int) -> pa.Table:
+        if "step" in table.column_names:
+            raise ValueError("experience column 'step' is reserved (write() adds it); rename yours")
+        if "version" not in table.column_names:
+            table = table.append_column("version", pa.array([version] * table.num_rows, type=pa.int64()))
+        return table.append_column("step", pa.array([step] * table.num_rows, type=pa.int64()))
+
+    @staticmethod
+    def _from_columns(columns: dict[str, list], step: int, version: int) -> pa.Table:
+        if not columns:
+            raise ValueError("write() got no columns; pass e.g. {'input_ids': [...], 'reward': [...]}")
+        if reserved := [k for k in _RESERVED if k in columns]:
+            raise ValueError(f"experience column {reserved[0]!r} is reserved (write() adds it); rename yours")
+        lengths = {k: len(v) for k, v in columns.items()}
+        rows = next(iter(lengths.values()))
+        if any(n != rows for n in lengths.values()):
+            raise ValueError(f"experience columns differ in length: {lengths}; every column needs one value per row")
+        arrays = {k: _column(k, v) for k, v in columns.items()}
+        arrays["version"] = pa.array([version] * rows, type=pa.int64())
+        arrays["step"] = pa.array([step] * rows, type=pa.int64())
+        return pa.table(arrays)
 
     def _append_manifest(self, entry: dict) -> None:
         """One write() of one line on an O_APPEND fd; flock where the filesystem supports it

@@ -1,4 +1,10 @@
-"""Reading a taskset (prompt + reference answer rows) and sampling it deterministically.
+"""Reading a taskset and sampling it deterministically.
+
+A task keeps every column of its source row (`Task.row`): workflows, environments and rewards
+read what they need from it (a grid world's start and goal, a test case's inputs). `prompt` and
+`answer` are the columns `data.prompt_key` / `data.answer_key` name, required by workflows that
+prompt with them (single_turn) and optional for the others (an environment builds its own first
+message).
 
 Bad rows are skipped and counted rather than raised: real datasets carry a few broken lines, and
 one of them should not kill a multi-node launch. Only when *nothing* usable is left do we raise,
@@ -24,9 +30,15 @@ class Task:
     so a task can be traced back to its source line (line number = index + 1 for jsonl)."""
 
     index: int
-    prompt: str
-    answer: str  # the reference answer; for preference data (DPO) the chosen response
+    prompt: str | None  # the prompt column after data.prompt_template; None if the row has none
+    answer: str | None  # the reference answer; for preference data (DPO) the chosen response
     rejected: str | None = None  # preference data: the rejected response
+    row: dict[str, Any] = field(default_factory=dict, compare=False)  # every column of the source row
+    id: str = field(default="", compare=False)  # data.id_key's value, else the row index
+
+    @property
+    def task_id(self) -> str:
+        return self.id or str(self.index)
 
 
 @dataclass
@@ -113,34 +125,41 @@ def _text_field(obj: dict, key: str) -> str:
 
 
 def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str,
-                 rejected_key: str | None = None) -> Task | str:
-    """Return a Task, or a short reason the row is unusable."""
+                 rejected_key: str | None = None, required: tuple[str, ...] = ("prompt", "answer"),
+                 id_key: str | None = None) -> Task | str:
+    """Return a Task, or a short reason the row is unusable. `required`: which of "prompt" and
+    "answer" the row must hold (other columns are kept as they are, in `Task.row`)."""
     if isinstance(obj, ValueError):
         return str(obj)
     if not isinstance(obj, dict):
         return f"not a JSON object (got {type(obj).__name__})"
-    for key in (prompt_key, answer_key, rejected_key):
+    needed = [key for key, role in ((prompt_key, "prompt"), (answer_key, "answer")) if role in required]
+    for key in (*needed, rejected_key):
         if key is not None and key not in obj:
             keys = ", ".join(sorted(map(str, obj))[:8])
             return f"missing key {key!r} (row has: {keys})"
-    prompt = obj[prompt_key]
-    if not isinstance(prompt, str) or not prompt.strip():
-        return f"prompt {prompt_key!r} must be a non-empty string (got {prompt!r:.40})"
+    prompt = obj.get(prompt_key)
+    if prompt is not None or "prompt" in required:
+        if not isinstance(prompt, str) or not prompt.strip():
+            return f"prompt {prompt_key!r} must be a non-empty string (got {prompt!r:.40})"
+        prompt = template.format(prompt=prompt)
     try:
-        answer = _text_field(obj, answer_key)
+        answer = _text_field(obj, answer_key) if answer_key in obj or "answer" in required else None
         rejected = _text_field(obj, rejected_key) if rejected_key is not None else None
     except ValueError as err:
         return str(err)
-    return Task(index=index, prompt=template.format(prompt=prompt), answer=answer, rejected=rejected)
+    task_id = str(obj[id_key]) if id_key is not None and obj.get(id_key) is not None else ""
+    return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj, id=task_id)
 
 
 def read_taskset(
-    path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None
+    path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None,
+    required: tuple[str, ...] = ("prompt", "answer"), id_key: str | None = None,
 ) -> tuple[list[Task], TasksetReport]:
     """Read `.jsonl`/`.json` (one object per line, or one top-level array) or `.parquet` rows.
 
-    Rows that are not valid JSON, not objects, lack a key, or have a non-string/empty prompt are
-    skipped and counted in the report. Numeric answers become strings via `str()`.
+    Rows that are not valid JSON, not objects, lack a required key, or have a non-string/empty
+    prompt are skipped and counted in the report. Numeric answers become strings via `str()`.
     """
     _check_template(prompt_template)
     if not os.path.isfile(path):
@@ -158,7 +177,7 @@ def read_taskset(
     tasks: list[Task] = []
     report = TasksetReport(path=path, rows=0, skipped=0)
     for index, where, obj in rows:
-        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key)
+        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key, required, id_key)
         if isinstance(result, Task):
             tasks.append(result)
             continue
@@ -236,14 +255,16 @@ class TaskCursor:
         self._epoch, self._position = epoch, position
 
 
-def read_stage_tasks(path: str, data, rows: dict[str, dict[str, int]], preferences: bool = False) -> list[Task]:
+def read_stage_tasks(path: str, data, rows: dict[str, dict[str, int]], preferences: bool = False,
+                     required: tuple[str, ...] = ("prompt", "answer")) -> list[Task]:
     """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record in
     `rows[path]["malformed"]` how many malformed rows it skipped (the run summary reports them;
     rft/buffer/context_fit.py adds the rows longer than the context).
-    `preferences`: rows are (prompt, chosen, rejected) pairs (data.chosen_key, data.rejected_key)."""
+    `preferences`: rows are (prompt, chosen, rejected) pairs (data.chosen_key, data.rejected_key).
+    `required`: the columns the stage's workflow needs (rft.explorer.workflows.required_columns)."""
     answer_key = data.chosen_key if preferences else data.answer_key
     tasks, report = read_taskset(path, data.prompt_key, answer_key, data.prompt_template,
-                                 data.rejected_key if preferences else None)
+                                 data.rejected_key if preferences else None, required, data.id_key)
     rows[report.path] = {"malformed": report.skipped}
     return tasks
 

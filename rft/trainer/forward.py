@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 @dataclass
 class Microbatch:
-    """Right-padded sequences. `loss_mask[i, t]` is 1 where token t+1 of row i is a response token."""
+    """Right-padded sequences. `loss_mask[i, t]` is 1 where token t+1 of row i is a response token
+    to train (a token the policy sampled)."""
 
     input_ids: torch.Tensor  # [b, s] int64
     loss_mask: torch.Tensor  # [b, s-1] float: scores targets input_ids[:, 1:]
@@ -24,8 +25,10 @@ class Microbatch:
 
 
 def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                    device: torch.device) -> Microbatch:
-    """Concatenate prompt+response per row, right-pad, and mark response targets in the mask."""
+                    device: torch.device, response_masks: list[list[int]] | None = None) -> Microbatch:
+    """Concatenate prompt+response per row, right-pad, and mark the response targets to train in
+    the mask: every response token, or those whose `response_masks` entry is 1 (a multi-turn
+    trajectory's response holds tool output and environment messages the policy did not sample)."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = max(lengths)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
@@ -33,7 +36,10 @@ def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id
     for row, (p, r) in enumerate(zip(prompts, responses)):
         ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
         # target index t predicts token t+1; response tokens sit at [len(p), len(p)+len(r))
-        mask[row, len(p) - 1: len(p) + len(r) - 1] = 1.0
+        if response_masks is None:
+            mask[row, len(p) - 1: len(p) + len(r) - 1] = 1.0
+        else:
+            mask[row, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(response_masks[row], dtype=torch.float32)
     positions = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(len(prompts), -1)
     return Microbatch(ids.to(device), mask.to(device), positions.contiguous().to(device))
 

@@ -31,14 +31,42 @@ from rft.weights.hf_megatron import tp_split_dim
 
 @dataclass
 class StepBatch:
-    """Rows this step trains on (groups of `group_size` contiguous rows). `rewards` and
-    `old_logprobs` (vLLM's, per response token) are None for SFT."""
+    """Rows this step trains on: a prompt and a response per row.
+
+    SFT and DPO rows are (prompt, reference answer): every response token is trained. RL rows come
+    from experience records (rft/buffer/experience.py): the response is everything after the
+    first prompt, and `response_mask` marks the tokens the policy sampled (tool output and
+    environment messages in between are 0). `rewards`, `old_logprobs` (vLLM's, per response token)
+    and `group_ids` (0..G-1, any order, ragged) are None for SFT. `trajectory_ids` (0..N-1) tie
+    together rows of one trajectory (the step_wise workflow writes one row per step): per-response
+    advantage estimators score each trajectory once and credit every one of its rows.
+    """
 
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
+    response_mask: list[list[int]] | None = None
     rewards: list[float] | None = None
     old_logprobs: list[list[float]] | None = None
-    group_size: int = 1
+    group_ids: list[int] | None = None
+    trajectory_ids: list[int] | None = None
+
+    @classmethod
+    def from_experiences(cls, experiences: list) -> "StepBatch":
+        """An RL batch from experience records (rft.buffer.experience.Experience)."""
+        from rft.algorithms.advantages import group_index
+
+        cut = [e.prompt_length for e in experiences]
+        return cls(prompt_ids=[e.token_ids[:p] for e, p in zip(experiences, cut)],
+                   response_ids=[e.token_ids[p:] for e, p in zip(experiences, cut)],
+                   response_mask=[e.loss_mask[p:] for e, p in zip(experiences, cut)],
+                   rewards=[float(e.reward) for e in experiences],
+                   old_logprobs=[e.logprobs[p:] for e, p in zip(experiences, cut)],
+                   group_ids=group_index([e.group_id for e in experiences]).tolist(),
+                   trajectory_ids=group_index([e.trajectory_id or i for i, e in enumerate(experiences)]).tolist())
+
+    def mask_of(self, i: int) -> list[int]:
+        """Row i's response mask (all ones for reference answers)."""
+        return self.response_mask[i] if self.response_mask is not None else [1] * len(self.response_ids[i])
 
 
 def _dp():
@@ -103,12 +131,11 @@ def _response_part(batch: StepBatch, idx: list[int], packed: torch.Tensor, out: 
 
 
 def _response_tensors(batch: StepBatch) -> tuple[torch.Tensor, torch.Tensor]:
-    """(mask, vLLM logprobs), both [B, longest response], response-aligned."""
+    """(mask, vLLM logprobs), both [B, longest response], response-aligned; the mask is 1 on the
+    response tokens to train."""
     width = max((len(r) for r in batch.response_ids), default=0)
-    mask = torch.zeros(len(batch.response_ids), width)
-    for i, r in enumerate(batch.response_ids):
-        mask[i, : len(r)] = 1.0
-    return mask, _pad_rows(batch.old_logprobs, width)
+    return _pad_rows([batch.mask_of(i) for i in range(len(batch.response_ids))], width), \
+        _pad_rows(batch.old_logprobs, width)
 
 
 def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logprobs: torch.Tensor | None,
@@ -116,14 +143,29 @@ def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logpr
     """Token advantages [B, T_resp] over the whole batch (batch-normalising estimators such as
     REINFORCE++ need every row), and returns where the estimator gives them; with `kl_mode=reward`
     the KL to the reference is a per-token reward penalty, measured on vLLM's (behaviour)
-    logprobs. `values`: the critic's response-aligned values (gae)."""
+    logprobs. `values`: the critic's response-aligned values (gae).
+
+    Rows of one trajectory (step_wise) and a per-response estimator (grpo, rloo, ...): the
+    estimator sees each trajectory once, with its group, so a trajectory of many steps weighs
+    the same in its group's baseline as one of few; each row gets its trajectory's advantage."""
     mask, old = _response_tensors(batch)
+    estimator = ADVANTAGES.resolve(algo.advantage)
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    group_ids = torch.tensor(batch.group_ids, dtype=torch.int64)
+    trajectories = torch.tensor(batch.trajectory_ids if batch.trajectory_ids is not None
+                                else range(len(batch.rewards)), dtype=torch.int64)
+    if ADVANTAGES.meta(estimator).get("per_response") and trajectories.unique().numel() < len(batch.rewards):
+        first = torch.full((int(trajectories.max()) + 1,), len(batch.rewards), dtype=torch.int64)
+        first = first.scatter_reduce(0, trajectories, torch.arange(len(batch.rewards)), "amin")
+        once = estimator(AdvantageInputs(rewards=rewards[first], group_ids=group_ids[first],
+                                         mask=torch.ones(len(first), 1)), algo)
+        return AdvantageOutputs(advantages=once.advantages[trajectories, :1].expand(mask.shape) * mask)
     token_rewards = None
     if ref_response_logprobs is not None:
         token_rewards = kl_penalty_rewards(old, ref_response_logprobs, mask, algo.kl_estimator, algo.kl_coef)
-    inputs = AdvantageInputs(rewards=torch.tensor(batch.rewards, dtype=torch.float32), group_size=batch.group_size,
-                             mask=mask, values=values, token_rewards=token_rewards)
-    return ADVANTAGES.resolve(algo.advantage)(inputs, algo)
+    inputs = AdvantageInputs(rewards=rewards, group_ids=group_ids, mask=mask, values=values,
+                             token_rewards=token_rewards)
+    return estimator(inputs, algo)
 
 
 def _sync_grads(model) -> None:
@@ -170,9 +212,10 @@ def backward_and_step(model, optimizer, mbs: list[Microbatch], loss_fn, sums: di
 
 
 def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) -> tuple[float, float]:
-    """Response tokens and non-empty responses of the whole batch (summed over DP ranks)."""
-    counts = torch.tensor([float(sum(len(batch.response_ids[i]) for i in rows)),
-                           float(sum(1 for i in rows if batch.response_ids[i]))])
+    """Response tokens to train and responses with at least one of them, in the whole batch
+    (summed over DP ranks)."""
+    counts = torch.tensor([float(sum(sum(batch.mask_of(i)) for i in rows)),
+                           float(sum(1 for i in rows if any(batch.mask_of(i))))])
     if dp_size > 1:
         dist.all_reduce(counts, group=dp_group)
     return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
@@ -196,7 +239,7 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
 
     def pack(idx_chunks):
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                                pad_id, device) for idx in idx_chunks]
+                                pad_id, device, [batch.mask_of(i) for i in idx]) for idx in idx_chunks]
 
     mbs = pack(chunks)
     policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers

@@ -16,6 +16,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
+from rft.buffer.experience import from_table
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.context_fit import ContextFit
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
@@ -37,16 +38,14 @@ from rft.weights.engines import CheckpointSender, make_sender
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
 
 
-def experience_batch(table, group_size: int) -> tuple[StepBatch, dict[str, float]]:
-    """A policy-gradient batch (advantages are computed in the step) and reward/length
-    statistics from a shard."""
-    rewards = torch.tensor(table.column("reward").to_pylist(), dtype=torch.float32)
-    responses = table.column("response_ids").to_pylist()
-    batch = StepBatch(prompt_ids=table.column("prompt_ids").to_pylist(), response_ids=responses,
-                      rewards=rewards.tolist(), old_logprobs=table.column("response_logprobs").to_pylist(),
-                      group_size=group_size)
-    lengths = torch.tensor([len(r) for r in responses], dtype=torch.float32)
-    stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()),
+def experience_batch(table) -> tuple[StepBatch, dict[str, float]]:
+    """A policy-gradient batch (advantages are computed in the step) from a shard's experience
+    rows, and reward/length statistics."""
+    experiences = from_table(table)
+    batch = StepBatch.from_experiences(experiences)
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    lengths = torch.tensor([e.sampled_tokens for e in experiences], dtype=torch.float32)
+    stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
              "response_length/mean": float(lengths.mean())}
     return batch, stats
 
@@ -241,8 +240,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Sto
                 if cursor is None:
                     table, waited, io_s = reader.next_table()
                     t1 = time.time()  # preparing the batch counts as training
-                    batch, scalars = experience_batch(table, algo.group_size)
-                    lag = global_step - int(table.column("version")[0].as_py())  # trainer steps since its weights
+                    batch, scalars = experience_batch(table)
+                    lag = global_step - min(table.column("version").to_pylist())  # trainer steps since its weights
                     scalars["policy/version_lag"] = lag
                     scalars["timing/wait_s"] = waited
                     totals["wait_s"] += waited

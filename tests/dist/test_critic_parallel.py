@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
                            lr=1e-3)
     critic = Critic.build(model_dir, "float32", policy, algo, seed=0)
     batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, rewards=REWARDS,
-                      old_logprobs=[[-2.0] * len(r) for r in RESPONSES], group_size=1)
+                      old_logprobs=[[-2.0] * len(r) for r in RESPONSES], group_ids=list(range(len(RESPONSES))))
     micro = 1  # several microbatches per DP rank, as train_step splits them
     rows = list(range(ps.get_data_parallel_rank(), len(PROMPTS), ps.get_data_parallel_world_size()))
     chunks = [rows[s: s + micro] for s in range(0, len(rows), micro)]

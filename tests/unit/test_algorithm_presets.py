@@ -46,7 +46,7 @@ def test_a_dotted_path_registers_the_users_function(tmp_path):
     fn = registries()["advantage"].resolve(cfg.algorithm.advantage)
     from rft.algorithms.advantages import AdvantageInputs
 
-    out = fn(AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_size=2, mask=torch.ones(2, 3)), None)
+    out = fn(AdvantageInputs(rewards=torch.tensor([1.0, 0.0]), group_ids=torch.tensor([0, 0]), mask=torch.ones(2, 3)), None)
     assert out.advantages.tolist() == [[1.0, 1.0, 1.0], [0.0, 0.0, 0.0]]
 
 

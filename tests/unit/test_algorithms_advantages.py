@@ -17,6 +17,12 @@ def right_padded_mask(lengths: list[int], width: int) -> torch.Tensor:
     return torch.tensor([[1.0 if t < n else 0.0 for t in range(width)] for n in lengths])
 
 
+def contiguous(rewards, group_size: int, mask, **kw) -> AdvantageInputs:
+    """Inputs whose groups are runs of `group_size` rows (the last may be shorter)."""
+    n = len(rewards)
+    return AdvantageInputs(rewards, torch.arange(n) // group_size, mask, **kw)
+
+
 def run(name: str, inputs: AdvantageInputs, **cfg):
     return ADVANTAGES.get(name)(inputs, type("Cfg", (), cfg)())
 
@@ -111,49 +117,75 @@ LENGTHS = [4, 1, 3, 2, 4, 1]
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
 def test_group_baselines_match_reference(name):
     mask = right_padded_mask(LENGTHS, 4)
-    out = run(name, AdvantageInputs(torch.tensor(REWARDS), 3, mask))
+    out = run(name, contiguous(torch.tensor(REWARDS), 3, mask))
     expected = ref_group_baseline(REWARDS, 3, name)
     assert_close(out.advantages, broadcast(expected, mask))
     assert out.returns is None
     assert (out.advantages[3:] == 0).all()  # the all-equal group learns nothing
 
 
+# ragged groups in any row order: group "b" lost a sample, rows of the groups interleaved
+RAGGED_KEYS = ["a", "b", "a", "c", "b", "a", "c", "a"]
+RAGGED_REWARDS = [1.0, 0.0, 0.0, 1.0, 1.0, 0.5, 0.0, 1.0]
+
+
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
+def test_group_baselines_over_ragged_interleaved_groups(name):
+    from rft.algorithms.advantages import group_index
+
+    mask = torch.ones(len(RAGGED_KEYS), 2)
+    out = run(name, AdvantageInputs(torch.tensor(RAGGED_REWARDS), group_index(RAGGED_KEYS), mask))
+    # reference: gather each group's rewards by key, compute in plain Python, put back in row order
+    expected = [0.0] * len(RAGGED_KEYS)
+    for key in set(RAGGED_KEYS):
+        rows = [i for i, k in enumerate(RAGGED_KEYS) if k == key]
+        values = ref_group_baseline([RAGGED_REWARDS[i] for i in rows], len(rows), name)
+        for i, v in zip(rows, values):
+            expected[i] = v
+    assert_close(out.advantages, broadcast(expected, mask))
+    # the same rows sorted into contiguous groups give the same advantage per row
+    order = sorted(range(len(RAGGED_KEYS)), key=lambda i: RAGGED_KEYS[i])
+    sorted_out = run(name, AdvantageInputs(torch.tensor([RAGGED_REWARDS[i] for i in order]),
+                                           group_index([RAGGED_KEYS[i] for i in order]), mask))
+    assert_close(sorted_out.advantages, [out.advantages[i].tolist() for i in order])
+
+
 def test_grpo_without_std_is_dr_grpo():
     mask = right_padded_mask(LENGTHS, 4)
-    inputs = AdvantageInputs(torch.tensor(REWARDS), 3, mask)
+    inputs = contiguous(torch.tensor(REWARDS), 3, mask)
     assert torch.equal(run("grpo", inputs, norm_adv_by_std=False).advantages,
                        run("dr_grpo", inputs).advantages)
 
 
 def test_grpo_by_hand():
     # group [1, 0]: mean 0.5, unbiased std sqrt(0.5) -> +-0.5 / 0.70711 = +-0.70711
-    out = run("grpo", AdvantageInputs(torch.tensor([1.0, 0.0]), 2, torch.ones(2, 1)), eps=0.0)
+    out = run("grpo", contiguous(torch.tensor([1.0, 0.0]), 2, torch.ones(2, 1)), eps=0.0)
     assert_close(out.advantages, [[math.sqrt(0.5)], [-math.sqrt(0.5)]])
 
 
 def test_rloo_by_hand():
     # group [3, 1, 2]: 3 - (1+2)/2 = 1.5; 1 - (3+2)/2 = -1.5; 2 - (3+1)/2 = 0
-    out = run("rloo", AdvantageInputs(torch.tensor([3.0, 1.0, 2.0]), 3, torch.ones(3, 2)))
+    out = run("rloo", contiguous(torch.tensor([3.0, 1.0, 2.0]), 3, torch.ones(3, 2)))
     assert_close(out.advantages, [[1.5, 1.5], [-1.5, -1.5], [0.0, 0.0]])
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo"])
-def test_group_baselines_reject_groups_of_one_and_token_rewards(name):
-    with pytest.raises(ValueError, match="group_size >= 2"):
-        run(name, AdvantageInputs(torch.ones(2), 1, torch.ones(2, 3)))
+def test_group_baselines_give_a_lone_sample_zero_and_reject_token_rewards(name):
+    out = run(name, contiguous(torch.tensor([1.0, 0.0]), 1, torch.ones(2, 3)))
+    assert (out.advantages == 0).all()  # no other sample to compare with
     with pytest.raises(ValueError, match="would ignore token_rewards"):
-        run(name, AdvantageInputs(torch.ones(2), 2, torch.ones(2, 3), token_rewards=torch.zeros(2, 3)))
+        run(name, contiguous(torch.ones(2), 2, torch.ones(2, 3), token_rewards=torch.zeros(2, 3)))
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp", "gae"])
 def test_inputs_with_wrong_shapes_are_rejected(name):
     mask = torch.ones(4, 3)
-    with pytest.raises(ValueError, match="do not split into groups of 3"):
-        run(name, AdvantageInputs(torch.ones(4), 3, mask, values=torch.zeros(4, 3)))
+    with pytest.raises(ValueError, match="group_ids must be"):
+        run(name, AdvantageInputs(torch.ones(4), torch.zeros(3, dtype=torch.int64), mask, values=torch.zeros(4, 3)))
     with pytest.raises(ValueError, match="rewards must be"):
-        run(name, AdvantageInputs(torch.ones(5), 2, mask, values=torch.zeros(4, 3)))
+        run(name, contiguous(torch.ones(5), 2, mask, values=torch.zeros(4, 3)))
     with pytest.raises(ValueError, match="values must have the mask's shape"):
-        run(name, AdvantageInputs(torch.ones(4), 2, mask, values=torch.zeros(4, 2)))
+        run(name, contiguous(torch.ones(4), 2, mask, values=torch.zeros(4, 2)))
 
 
 # --- REINFORCE++ --------------------------------------------------------------------------------
@@ -164,7 +196,7 @@ def test_reinforce_pp_matches_reference_with_padding_holes_and_length_one():
     rewards = [1.0, -0.5, 2.0, 0.0]
     token_rewards = [[0.1, -0.2, 0.3, NAN], [0.05, NAN, NAN, NAN], [-0.1, 7.0, 0.2, 0.0],
                      [0.0, 0.4, NAN, NAN]]
-    out = run("reinforce_pp", AdvantageInputs(torch.tensor(rewards), 2, mask,
+    out = run("reinforce_pp", contiguous(torch.tensor(rewards), 2, mask,
                                               token_rewards=torch.tensor(token_rewards)), gamma=0.9)
     clean = [[v if m else 0.0 for v, m in zip(row, mrow)] for row, mrow in zip(token_rewards, mask.tolist())]
     expected_adv, expected_ret = ref_reinforce_pp(rewards, mask, clean, gamma=0.9)
@@ -174,18 +206,18 @@ def test_reinforce_pp_matches_reference_with_padding_holes_and_length_one():
 
 def test_reinforce_pp_by_hand():
     # one row, 2 tokens, reward 1, gamma 0.5: returns [0.5, 1]; mean 0.75, biased std 0.25
-    out = run("reinforce_pp", AdvantageInputs(torch.tensor([1.0]), 1, torch.ones(1, 2)), gamma=0.5)
+    out = run("reinforce_pp", contiguous(torch.tensor([1.0]), 1, torch.ones(1, 2)), gamma=0.5)
     assert_close(out.returns, [[0.5, 1.0]])
     assert_close(out.advantages, [[-1.0, 1.0]])
 
 
 def test_reinforce_pp_ignores_padding_width_and_contents():
     rewards = torch.tensor([1.0, 0.0])
-    narrow = run("reinforce_pp", AdvantageInputs(rewards, 2, right_padded_mask([2, 1], 2)), gamma=0.9)
+    narrow = run("reinforce_pp", contiguous(rewards, 2, right_padded_mask([2, 1], 2)), gamma=0.9)
     wide_mask = right_padded_mask([2, 1], 5)
     noisy = torch.full((2, 5), NAN)
     noisy[wide_mask.bool()] = 0.0
-    wide = run("reinforce_pp", AdvantageInputs(rewards, 2, wide_mask, token_rewards=noisy), gamma=0.9)
+    wide = run("reinforce_pp", contiguous(rewards, 2, wide_mask, token_rewards=noisy), gamma=0.9)
     assert torch.allclose(wide.advantages[:, :2], narrow.advantages)
     assert (wide.advantages[:, 2:] == 0).all()
 
@@ -198,7 +230,7 @@ def test_reinforce_pp_with_kl_penalty_rewards():
     # -0.1 * (logp - ref) on valid tokens
     assert_close(token_rewards, [[-0.05, 0.1, 0.0], [0.0, -0.1, 0.0]])
     rewards = [1.0, 0.0]
-    out = run("reinforce_pp", AdvantageInputs(torch.tensor(rewards), 1, mask, token_rewards=token_rewards))
+    out = run("reinforce_pp", contiguous(torch.tensor(rewards), 1, mask, token_rewards=token_rewards))
     expected, _ = ref_reinforce_pp(rewards, mask, token_rewards.tolist(), gamma=1.0)
     assert_close(out.advantages, expected)
 
@@ -209,7 +241,7 @@ def test_gae_by_hand():
     # V = [0.5, 0.25], reward 1 on the last token, gamma = lam = 1:
     # delta_1 = 1 + 0 - 0.25 = 0.75, delta_0 = 0 + 0.25 - 0.5 = -0.25
     # A = [-0.25 + 0.75, 0.75] = [0.5, 0.75]; returns = A + V = [1, 1] (the Monte-Carlo return)
-    out = run("gae", AdvantageInputs(torch.tensor([1.0]), 1, torch.ones(1, 2),
+    out = run("gae", contiguous(torch.tensor([1.0]), 1, torch.ones(1, 2),
                                      values=torch.tensor([[0.5, 0.25]])))
     assert_close(out.returns, [[1.0, 1.0]])
     # whitened [0.5, 0.75]: mean 0.625, biased std 0.125 -> [-1, 1]
@@ -223,7 +255,7 @@ def test_gae_matches_reference_with_padding_and_length_one(gamma, lam):
     values = [[0.2, 0.4, -0.1, 0.3], [0.7, NAN, 9.0, NAN], [0.1, -0.3, 5.0, -5.0], [0.0, 1e9, 0.6, NAN]]
     token_rewards = [[0.01, 0.0, -0.02, 0.03], [0.1, NAN, NAN, NAN], [0.0, 0.05, NAN, 1.0],
                      [0.2, NAN, -0.1, NAN]]
-    out = run("gae", AdvantageInputs(torch.tensor(rewards), 2, mask, values=torch.tensor(values),
+    out = run("gae", contiguous(torch.tensor(rewards), 2, mask, values=torch.tensor(values),
                                      token_rewards=torch.tensor(token_rewards)), gamma=gamma, lam=lam)
     expected_adv, expected_ret = ref_gae(rewards, mask, values, token_rewards, gamma, lam)
     assert_close(out.advantages, expected_adv, tol=1e-4)
@@ -231,7 +263,7 @@ def test_gae_matches_reference_with_padding_and_length_one(gamma, lam):
 
 
 def test_gae_length_one_response_is_reward_minus_value():
-    out = run("gae", AdvantageInputs(torch.tensor([2.0, 0.0]), 2, right_padded_mask([1, 1], 3),
+    out = run("gae", contiguous(torch.tensor([2.0, 0.0]), 2, right_padded_mask([1, 1], 3),
                                      values=torch.tensor([[0.5, 3.0, 3.0], [0.25, 3.0, 3.0]])))
     # A = r - V: [1.5, -0.25]; returns = A + V = r
     assert_close(out.returns, [[2.0, 0.0, 0.0], [0.0, 0.0, 0.0]])
@@ -241,9 +273,9 @@ def test_gae_length_one_response_is_reward_minus_value():
 
 def test_gae_needs_values():
     with pytest.raises(ValueError, match="gae needs critic values"):
-        run("gae", AdvantageInputs(torch.ones(2), 2, torch.ones(2, 3)))
+        run("gae", contiguous(torch.ones(2), 2, torch.ones(2, 3)))
 
 
 def test_whitening_of_equal_returns_gives_zero_not_nan():
-    out = run("reinforce_pp", AdvantageInputs(torch.tensor([1.0, 1.0]), 2, right_padded_mask([1, 1], 2)))
+    out = run("reinforce_pp", contiguous(torch.tensor([1.0, 1.0]), 2, right_padded_mask([1, 1], 2)))
     assert (out.advantages == 0).all()

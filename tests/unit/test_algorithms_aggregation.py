@@ -115,18 +115,25 @@ def ref_zero_variance(rewards: list[float], group_size: int) -> list[bool]:
 
 def test_zero_variance_drops_groups_with_equal_rewards():
     rewards = [1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.5, 0.5, 0.25]
-    keep = SAMPLE_FILTERS.get("zero_variance")(torch.tensor(rewards), 3)
+    keep = SAMPLE_FILTERS.get("zero_variance")(torch.tensor(rewards), torch.arange(12) // 3)
     assert keep.tolist() == ref_zero_variance(rewards, 3)
     assert keep.tolist() == [True] * 3 + [False] * 6 + [True] * 3
 
 
+def test_zero_variance_decides_ragged_interleaved_groups_whole():
+    # group 0: rows 0, 2, 5 (varied); group 1: rows 1, 4 (equal); group 2: row 3 alone (kept)
+    rewards = torch.tensor([1.0, 0.5, 0.0, 0.0, 0.5, 1.0])
+    groups = torch.tensor([0, 1, 0, 2, 1, 0])
+    assert SAMPLE_FILTERS.get("zero_variance")(rewards, groups).tolist() == [True, False, True, True, False, True]
+
+
 def test_zero_variance_keeps_groups_of_one_and_none_keeps_all():
     rewards = torch.tensor([1.0, 1.0, 0.0])
-    assert SAMPLE_FILTERS.get("zero_variance")(rewards, 1).all()
-    assert SAMPLE_FILTERS.get("none")(rewards, 3).all()
+    assert SAMPLE_FILTERS.get("zero_variance")(rewards, torch.arange(3)).all()
+    assert SAMPLE_FILTERS.get("none")(rewards, torch.zeros(3, dtype=torch.int64)).all()
 
 
 @pytest.mark.parametrize("name", ["none", "zero_variance"])
-def test_filters_reject_ragged_groups(name):
-    with pytest.raises(ValueError, match="do not split into groups of 4"):
-        SAMPLE_FILTERS.get(name)(torch.ones(6), 4)
+def test_filters_reject_group_ids_of_another_length(name):
+    with pytest.raises(ValueError, match="must both be"):
+        SAMPLE_FILTERS.get(name)(torch.ones(6), torch.zeros(4, dtype=torch.int64))

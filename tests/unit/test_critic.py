@@ -27,7 +27,7 @@ def _batch():
     from rft.trainer.train_step import StepBatch
 
     return StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, rewards=REWARDS,
-                     old_logprobs=[[0.0] * len(r) for r in RESPONSES], group_size=1)
+                     old_logprobs=[[0.0] * len(r) for r in RESPONSES], group_ids=list(range(len(RESPONSES))))
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:

@@ -1,0 +1,139 @@
+"""The experience record: one typed, versioned Arrow schema that every part of rft shares.
+
+A workflow returns `Experience` objects, the explorer writes them as shard rows (`to_table`),
+the trainer reads them back (`from_table`) into its batches, and the algorithms group them by
+`group_id`. One row is one trajectory (or, for the `step_wise` workflow, one step of it):
+
+    token_ids      the whole sequence the model saw and produced: prompt, model turns, tool and
+                   environment messages, chat scaffolding
+    loss_mask      1 on tokens the policy sampled (trained), 0 on everything else
+    logprobs       vLLM's logprob of each sampled token (0.0 where loss_mask is 0)
+    prompt_length  tokens before the first model turn (the trainer's "response" starts here)
+    reward         the scalar the advantage estimators see
+    step_rewards   optional per-step rewards of a multi-step trajectory; step_index: this row's step
+    group_id       rows compared with each other (a task's samples); groups may be ragged
+    trajectory_id  rows of one trajectory (step_wise writes one row per step)
+    task_id, version (policy version that generated it), turns, tool_calls, finish_reason, error,
+    metrics        workflow metrics (name -> number), response (the text the reward read)
+
+Why rows are whole trajectories with a mask rather than (prompt, response) pairs: a multi-turn
+conversation interleaves sampled and non-sampled tokens, and the trainer must score exactly the
+ids vLLM sampled, in the context vLLM saw them. Groups are named, not implied by row order, so a
+failed sample or a filter can leave a group ragged without shifting every later group.
+
+`SCHEMA_VERSION` is stored in the schema's metadata; a shard written with another version is
+refused with a message rather than misread.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, fields
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+_VERSION_KEY = b"rft.experience_schema"
+
+SCHEMA = pa.schema([
+    pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
+    pa.field("loss_mask", pa.list_(pa.int8()), nullable=False),
+    pa.field("logprobs", pa.list_(pa.float32()), nullable=False),
+    pa.field("prompt_length", pa.int32(), nullable=False),
+    pa.field("reward", pa.float32(), nullable=False),
+    pa.field("step_rewards", pa.list_(pa.float32())),
+    pa.field("step_index", pa.int32(), nullable=False),
+    pa.field("group_id", pa.string(), nullable=False),
+    pa.field("trajectory_id", pa.string(), nullable=False),
+    pa.field("task_id", pa.string(), nullable=False),
+    pa.field("version", pa.int64(), nullable=False),
+    pa.field("turns", pa.int32(), nullable=False),
+    pa.field("tool_calls", pa.int32(), nullable=False),
+    pa.field("finish_reason", pa.string(), nullable=False),
+    pa.field("error", pa.string()),
+    pa.field("metrics", pa.string(), nullable=False),  # JSON object name -> number (open-ended keys)
+    pa.field("response", pa.string(), nullable=False),
+], metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()})
+
+
+@dataclass
+class Experience:
+    """One trajectory (or one step of it) as the trainer will see it. Workflows build these
+    through `rft.explorer.model_client.Conversation`; the runner fills in the ids and version."""
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float]
+    prompt_length: int
+    reward: float | None = None  # None: the runner scores it with algorithm.reward
+    step_rewards: list[float] | None = None
+    step_index: int = 0
+    group_id: str = ""
+    trajectory_id: str = ""
+    task_id: str = ""
+    version: int = 0
+    turns: int = 0
+    tool_calls: int = 0
+    finish_reason: str = ""
+    error: str | None = None
+    metrics: dict[str, float] = field(default_factory=dict)
+    response: str = ""  # the text the reward function reads (last model turn, or an env's answer)
+
+    def check(self) -> None:
+        """ValueError naming what is inconsistent (a workflow's bug, caught before the buffer)."""
+        n = len(self.token_ids)
+        if len(self.loss_mask) != n or len(self.logprobs) != n:
+            raise ValueError(f"experience {self.trajectory_id or '?'}: token_ids ({n}), loss_mask "
+                             f"({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) differ in length")
+        if not 0 <= self.prompt_length <= n:
+            raise ValueError(f"experience {self.trajectory_id or '?'}: prompt_length {self.prompt_length} "
+                             f"outside [0, {n}]")
+        if any(self.loss_mask[: self.prompt_length]):
+            raise ValueError(f"experience {self.trajectory_id or '?'}: loss_mask is 1 inside the prompt "
+                             f"(first {self.prompt_length} tokens); only sampled tokens are trained")
+        if any(m not in (0, 1) for m in self.loss_mask):
+            raise ValueError(f"experience {self.trajectory_id or '?'}: loss_mask holds values other than 0 and 1")
+
+    @property
+    def response_ids(self) -> list[int]:
+        """Everything after the prompt: model turns and what came between them."""
+        return self.token_ids[self.prompt_length:]
+
+    @property
+    def sampled_tokens(self) -> int:
+        return sum(self.loss_mask)
+
+
+def to_table(experiences: list[Experience]) -> pa.Table:
+    """Rows in SCHEMA; every experience must be checked and scored (reward set)."""
+    columns: dict[str, list] = {f.name: [] for f in fields(Experience)}
+    for exp in experiences:
+        if exp.reward is None:
+            raise ValueError(f"experience {exp.trajectory_id or '?'} has no reward; score it before writing")
+        for f in fields(Experience):
+            columns[f.name].append(getattr(exp, f.name))
+    columns["metrics"] = [json.dumps(m, sort_keys=True) for m in columns["metrics"]]
+    return pa.table({name: pa.array(columns[name], type=SCHEMA.field(name).type) for name in SCHEMA.names},
+                    schema=SCHEMA)
+
+
+def check_table(table: pa.Table, where: str) -> None:
+    """ValueError unless `table` holds experience rows of this schema version."""
+    version = (table.schema.metadata or {}).get(_VERSION_KEY)
+    if version is None or int(version) != SCHEMA_VERSION:
+        found = "no rft experience schema" if version is None else f"experience schema {int(version)}"
+        raise ValueError(f"{where} has {found}; this rft reads schema {SCHEMA_VERSION}: it was written by "
+                         "another rft version (train it with that version, or produce it again)")
+    missing = [name for name in SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise ValueError(f"{where} lacks experience columns {missing}")
+
+
+def from_table(table: pa.Table) -> list[Experience]:
+    """The experiences of a shard (columns other than SCHEMA's, such as the writer's `step`, ignored)."""
+    check_table(table, "experience table")
+    names = [f.name for f in fields(Experience)]
+    rows = table.select(names).to_pylist()
+    for row in rows:
+        row["metrics"] = json.loads(row["metrics"])
+    return [Experience(**row) for row in rows]

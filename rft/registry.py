@@ -1,0 +1,207 @@
+"""One contract for every extension point: a `Registry` per kind of plug-in.
+
+A registry maps a name ("grpo", "single_turn", "grid_world", ...) to a callable with the kind's
+documented signature. Configs select a built-in by name, or point at a user's own code with a
+dotted path ("my_pkg.losses.my_loss"), which `resolve` imports and checks against the same
+signature, so a mismatch fails at launch with a message naming the path, the wrong parameters and
+the expected signature instead of a TypeError deep inside a step (DESIGN.md section 5.3; slime's
+plugin contracts, verl's `register_policy_loss` / `register_adv_est`).
+
+A kind may accept more than one form (`variants`: a reward takes one trajectory or a batch of
+them), require `async def` (`asynchronous`), or be a class (`is_class`: environments; the check is
+then on the named methods). Entries carry metadata (`register(name, needs_env=True)`; a user's
+function may set the attribute `rft_meta = {...}`) so the code that uses them asks
+`registry.meta(fn)` instead of comparing names.
+
+The registries live next to their built-ins: `rft.algorithms.advantages.ADVANTAGES`,
+`policy_losses.POLICY_LOSSES`, `kl.KL_ESTIMATORS`, `aggregation.AGGREGATIONS`,
+`filters.SAMPLE_FILTERS`, `rft.explorer.rewards.REWARDS`, `rft.explorer.workflows.WORKFLOWS`,
+`rft.explorer.envs.ENVIRONMENTS`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+_VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+
+
+class Registry:
+    """Name -> callable for one kind of function, with the kind's required parameter names.
+
+    `params` are passed positionally by the caller, in this order; `keyword_only` are passed by
+    keyword. A registered or resolved function must take exactly these required parameters (it
+    may add optional ones with defaults).
+    """
+
+    def __init__(self, kind: str, params: Sequence[str], keyword_only: Sequence[str] = (),
+                 returns: str = "", variants: dict[str, Sequence[str]] | None = None,
+                 asynchronous: bool = False, is_class: bool = False) -> None:
+        self.kind = kind
+        self.params = tuple(params)
+        self.keyword_only = tuple(keyword_only)
+        self.returns = returns
+        # other accepted positional forms, by name (e.g. "batch": ("trajectories", "tasks"))
+        self.variants = {k: tuple(v) for k, v in (variants or {}).items()}
+        self.asynchronous = asynchronous  # entries must be `async def` (they await a model)
+        self.is_class = is_class  # entries are classes with methods `params` (environments)
+        self._entries: dict[str, Callable[..., Any]] = {}
+        self._meta: dict[int, dict[str, Any]] = {}
+
+    @property
+    def signature(self) -> str:
+        """The expected signature as text, for error messages and docs."""
+        if self.is_class:
+            return f"a class with methods {', '.join(self.params)} (Gymnasium's Env)"
+        args = ", ".join(self.params)
+        if self.keyword_only:
+            args += ", *, " + ", ".join(self.keyword_only)
+        text = ("async def " if self.asynchronous else "") + f"fn({args})"
+        text += f" -> {self.returns}" if self.returns else ""
+        for name, params in self.variants.items():
+            text += f", or {name} form fn({', '.join(params)})"
+        return text
+
+    def meta(self, fn: Any) -> dict[str, Any]:
+        """Metadata of a resolved entry: what `register(name, **meta)` gave a built-in, or the
+        `rft_meta` attribute of a user's function or class."""
+        return {**getattr(fn, "rft_meta", {}), **self._meta.get(id(fn), {})}
+
+    def variant(self, fn: Callable[..., Any]) -> str:
+        """Which form a resolved function has: "default" or a name of `variants`."""
+        params = [p for p in inspect.signature(fn).parameters.values() if p.kind in _POSITIONAL]
+        names = tuple(p.name for p in params)
+        for name, wanted in self.variants.items():
+            if names[: len(wanted)] == wanted:
+                return name
+        return "default"
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._entries
+
+    def register(self, name: str, **meta: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        """Decorator: register `fn` under `name` after checking its signature; `meta` is what
+        `meta(fn)` returns (e.g. needs_env=True)."""
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            if name in self._entries:
+                raise ValueError(f"{self.kind} '{name}' is already registered "
+                                 f"({self._entries[name].__module__}.{self._entries[name].__qualname__})")
+            self.check_signature(fn, f"built-in {self.kind} '{name}'")
+            self._entries[name] = fn
+            self._meta[id(fn)] = dict(meta)
+            return fn
+
+        return decorate
+
+    def get(self, name: str) -> Callable[..., Any]:
+        """The function registered as `name`; ValueError listing the known names otherwise."""
+        try:
+            return self._entries[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.kind} '{name}'; known: {', '.join(self.names())}. "
+                f"Or give a dotted path 'package.module.function' to your own function with "
+                f"signature {self.signature}") from None
+
+    def resolve(self, spec: str | Callable[..., Any]) -> Callable[..., Any]:
+        """A registered name, a dotted path "package.module.function", or a callable -> checked fn."""
+        if callable(spec):
+            self.check_signature(spec, f"{self.kind} {getattr(spec, '__qualname__', spec)!r}")
+            return spec
+        if spec in self._entries or "." not in spec:
+            return self.get(spec)
+        fn = _import_dotted(spec, self.kind)
+        self.check_signature(fn, f"{self.kind} '{spec}'")
+        return fn
+
+    def check_signature(self, fn: Callable[..., Any], where: str) -> None:
+        """ValueError unless `fn` takes this registry's parameters (names, order, kinds), or one
+        of its variants'; for `is_class` registries, unless `fn` is a class with the methods."""
+        if self.is_class:
+            self._check_class(fn, where)
+            return
+        try:
+            sig = inspect.signature(fn)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: cannot read its signature ({err}); "
+                             f"expected {self.signature}") from None
+        params = list(sig.parameters.values())
+        problems = _signature_problems(params, self.params, self.keyword_only)
+        for alternative in self.variants.values():
+            if problems and not _signature_problems(params, alternative, self.keyword_only):
+                problems = []
+        if problems:
+            raise ValueError(f"{where} has signature {_format_params(sig)} but a {self.kind} must be "
+                             f"{self.signature}: {'; '.join(problems)}")
+        if self.asynchronous and not inspect.iscoroutinefunction(fn):
+            raise ValueError(f"{where} is a plain function but a {self.kind} must be declared `async def` "
+                             f"(it awaits the model and runs beside other trajectories): {self.signature}")
+
+    def _check_class(self, cls: Any, where: str) -> None:
+        if not inspect.isclass(cls):
+            raise ValueError(f"{where} is a {type(cls).__name__}, not a class; expected {self.signature}")
+        missing = [m for m in self.params if not callable(getattr(cls, m, None))]
+        if missing:
+            raise ValueError(f"{where} has no method {', '.join(missing)}; expected {self.signature}")
+
+
+def _signature_problems(params: list[inspect.Parameter], positional_names: Sequence[str],
+                        keyword_only: Sequence[str]) -> list[str]:
+    """What keeps `params` from being called as fn(*positional_names, **keyword_only)."""
+    by_name = {p.name: p for p in params}
+    var_pos = any(p.kind is inspect.Parameter.VAR_POSITIONAL for p in params)
+    var_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    expected = set(positional_names) | set(keyword_only)
+    missing = [n for n in positional_names if n not in by_name and not var_pos]
+    missing += [n for n in keyword_only if n not in by_name and not var_kw]
+    extra = [p.name for p in params if p.name not in expected and p.kind not in _VARIADIC
+             and p.default is inspect.Parameter.empty]
+    problems = []
+    if missing:
+        problems.append(f"missing parameters: {', '.join(missing)}")
+    if extra:
+        problems.append(f"unexpected required parameters: {', '.join(extra)}")
+    # the caller passes the positional parameters by position, so they must come first, in order
+    positional = [p.name for p in params if p.kind in _POSITIONAL]
+    n = min(len(positional), len(positional_names))
+    if not missing and positional[:n] != list(positional_names[:n]):
+        problems.append(f"positional parameters start ({', '.join(positional[:len(positional_names)])}), "
+                        f"expected ({', '.join(positional_names)})")
+    wrong_kind = [n for n in positional_names if n in by_name and by_name[n].kind not in _POSITIONAL]
+    wrong_kind += [n for n in keyword_only
+                   if n in by_name and by_name[n].kind is inspect.Parameter.POSITIONAL_ONLY]
+    if wrong_kind:
+        problems.append(f"cannot be passed as the caller does: {', '.join(wrong_kind)}")
+    return problems
+
+
+def _import_dotted(path: str, kind: str) -> Callable[..., Any]:
+    """Import "package.module.function"; ValueError naming the path when any part is missing."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{kind} '{path}': cannot import module '{module_name}' ({err}); "
+                         f"check the dotted path and that the package is on PYTHONPATH") from None
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
+    if not callable(fn):
+        # a config mistake like every other resolve failure: one exception type for callers
+        raise ValueError(f"{kind} '{path}' is a {type(fn).__name__}, not a function")  # noqa: TRY004
+    return fn
+
+
+def _format_params(sig: inspect.Signature) -> str:
+    """`(a, b, *, c=1)` without annotations, which only clutter the message."""
+    plain = [p.replace(annotation=inspect.Parameter.empty) for p in sig.parameters.values()]
+    return str(sig.replace(parameters=plain, return_annotation=inspect.Signature.empty))

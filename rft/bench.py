@@ -76,9 +76,10 @@ def run_bench(cfg: RFTConfig) -> dict:
     from rft.buffer.context_fit import ContextFit
     from rft.buffer.taskset import read_stage_tasks
     from rft.config import context_length
-    from rft.explorer.prompts import format_prompt
-    from rft.explorer.rewards import RewardScorer
+    from rft.explorer.model_client import Sampling
+    from rft.explorer.runner import WorkflowRunner
     from rft.explorer.vllm_engine import RolloutEngine
+    from rft.explorer.workflows import required_columns
     from rft.monitor import Monitor, rank_summary_path, write_json_atomic
 
     paths = bench_checkpoints(cfg)
@@ -87,25 +88,34 @@ def run_bench(cfg: RFTConfig) -> dict:
                          "bench.run_dir=<a run with trainer.save_hf=true>")
     ks = sorted(cfg.bench.k)
     row_counts: dict[str, dict[str, int]] = {}
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed, context_length(cfg.model))
-    fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), cfg.data.overlong)
-    tasks = fit.for_rollouts(read_stage_tasks(cfg.data.eval_path, cfg.data, row_counts), cfg.data.eval_path,
-                             cfg.rollout.max_new_tokens, row_counts)[: cfg.data.eval_limit]
-    scorer = RewardScorer(cfg.algorithm.reward, cfg.rollout.reward_timeout_s)
+    rollout = cfg.rollout
+    engine = RolloutEngine(cfg.model, rollout, cfg.seed, context_length(cfg.model))
+    columns = required_columns(rollout.workflow, rollout.env, cfg.algorithm.reward)
+    tasks = read_stage_tasks(cfg.data.eval_path, cfg.data, row_counts, required=columns)
+    if "prompt" in columns:
+        fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), cfg.data.overlong)
+        tasks = fit.for_rollouts(tasks, cfg.data.eval_path, rollout.max_new_tokens, row_counts)
+    tasks = tasks[: cfg.data.eval_limit]
+    runner = WorkflowRunner([engine], rollout, cfg.algorithm.reward, cfg.model.chat_template,
+                            os.path.join(cfg.run.output_dir, "failed.jsonl"))
+    sampling = Sampling(cfg.bench.temperature, rollout.top_p, rollout.max_new_tokens, tuple(rollout.stop))
     monitor = Monitor(cfg.run.output_dir, "bench")
-    prompts = [format_prompt(t, engine.tokenizer, cfg.model.chat_template) for t in tasks]
     rows = []
     for index, path in enumerate(paths):
         engine.load_hf_dir(path)
-        groups = engine.generate(prompts, max(ks), cfg.rollout.max_new_tokens, cfg.bench.temperature,
-                                 cfg.rollout.top_p, list(cfg.rollout.stop), cfg.seed)
-        rewards = [scorer.score([s.text for s in g], [t.answer] * len(g)) for g, t in zip(groups, tasks)]
+        outcome = runner.run(tasks, max(ks), sampling, (cfg.seed, "bench"), f"bench-{index}", evaluation=True)
+        rewards = [[] for _ in tasks]
+        for exp in {e.trajectory_id: e for e in outcome.experiences}.values():
+            rewards[int(exp.group_id.rsplit(":", 1)[1])].append(float(exp.reward))
+        # a sample that failed for good counts as wrong: every task keeps n samples
+        rewards = [r + [0.0] * (max(ks) - len(r)) for r in rewards]
         scores = score_table(rewards, ks)
         monitor.log(index, {f"bench/{k}": v for k, v in scores.items()}, "bench")
         rows.append({"checkpoint": path, "tasks": len(tasks), **scores})
         print(f"bench {index + 1}/{len(paths)} {path}: " + ", ".join(f"{k} {v:.3f}" for k, v in scores.items()),
               flush=True)
-    scorer.close()
+    runner.close()
+    engine.close()
     monitor.close()
     csv_path, md_path = write_tables(cfg.run.output_dir, rows)
     summary = {"role": "bench", "rank": 0, "checkpoints": len(rows), "csv": csv_path, "markdown": md_path,

@@ -50,6 +50,17 @@ class ArithmeticTaskConfig:
 
 
 @dataclass
+class EnvTasksConfig:
+    """Tasksets drawn by the environment itself (its `sample_tasks`, or `sample_demos` for SFT
+    conversations), written to data.train_path / data.eval_path before launch."""
+
+    kind: str = "tasks"  # tasks: rows the environment plays | demos: conversations to train on (SFT)
+    num_train: int = 400  # rows in train_path
+    num_eval: int = 100  # rows in eval_path (tasks, disjoint from train; demos: none)
+    args: dict[str, Any] = field(default_factory=dict)  # extra keyword arguments of sample_tasks/sample_demos
+
+
+@dataclass
 class DataConfig:
     train_path: str = MISSING  # taskset for training: .jsonl or .parquet
     eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
@@ -62,6 +73,8 @@ class DataConfig:
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
     overlong: str = "skip"  # rows longer than the context: skip (counted) | truncate_left (cut the prompt's start) | error
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
+    from_env: Optional[EnvTasksConfig] = None  # if set, rollout.env writes train/eval files before launch
+    messages_key: str = "messages"  # SFT rows: a column of chat messages trains every assistant turn
 
 
 @dataclass
@@ -113,6 +126,13 @@ class RolloutConfig:
     max_num_seqs: int = 256  # vLLM scheduler batch limit
     reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
     max_sampling_rounds: int = 3  # dynamic sampling (algorithm.sample_filter): generation rounds per step
+    workflow: str = "single_turn"  # single_turn | multi_turn | step_wise | dotted path (rft/explorer/workflows/)
+    env: Optional[str] = None  # multi_turn/step_wise: grid_world | calculator | dotted path to a Gymnasium Env class
+    env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
+    max_turns: int = 8  # multi_turn/step_wise: model turns per episode
+    max_concurrent_tasks: int = 256  # trajectories in flight at once (a workflow waiting on a tool holds one)
+    task_timeout_s: float = 600.0  # a workflow try running longer is cancelled (and retried)
+    max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
 
 
 @dataclass
@@ -276,7 +296,6 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
     return resolved
 
 
-_REWARDS = ("exact_match", "math_verify")
 OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/buffer/context_fit.py)
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -378,6 +397,60 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
 
 
+def _check_env_tasks(prefix: str, stage: RFTConfig) -> None:
+    """data.from_env needs an environment that can draw tasks (or demos) of its own."""
+    from rft.explorer.envs import ENVIRONMENTS
+
+    generate, env = stage.data.from_env, stage.rollout.env
+    if generate.kind not in ("tasks", "demos"):
+        config_error(f"{prefix}data.from_env.kind", generate.kind, "use tasks (rows to play) or demos (SFT conversations)")
+    if env is None:
+        config_error(f"{prefix}data.from_env", "set", "the tasks come from rollout.env, which is not set")
+    method = "sample_demos" if generate.kind == "demos" else "sample_tasks"
+    try:
+        has = callable(getattr(ENVIRONMENTS.resolve(env), method, None))
+    except ValueError as err:
+        config_error(f"{prefix}rollout.env", env, str(err))
+    if not has:
+        config_error(f"{prefix}data.from_env.kind", generate.kind, f"environment {env} has no {method}(n, seed); "
+                     "write the taskset yourself and set data.train_path")
+    if generate.num_train < 1 or generate.num_eval < 0:
+        config_error(f"{prefix}data.from_env.num_train", generate.num_train, "use 1 or more rows (num_eval 0 or more)")
+
+
+def _check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
+    """The workflow, its environment and the reward: each a built-in or a dotted path whose
+    signature fits, checked here so a typo fails on the login node; and the limits they run under."""
+    from rft.explorer.envs import ENVIRONMENTS, make_env
+    from rft.explorer.rewards import REWARDS
+    from rft.explorer.workflows import WORKFLOWS
+
+    rollout, algo = stage.rollout, stage.algorithm
+    for key, registry, value in ((f"{prefix}algorithm.reward", REWARDS, algo.reward),
+                                 (f"{prefix}rollout.workflow", WORKFLOWS, rollout.workflow),
+                                 (f"{prefix}rollout.env", ENVIRONMENTS, rollout.env)):
+        if value is None:
+            continue
+        try:
+            registry.resolve(value)
+        except ValueError as err:
+            config_error(key, value, str(err))
+    if WORKFLOWS.meta(WORKFLOWS.resolve(rollout.workflow)).get("needs_env"):
+        if rollout.env is None:
+            config_error(f"{prefix}rollout.env", None, f"rollout.workflow={rollout.workflow} plays an environment: "
+                         f"choose one of {ENVIRONMENTS.names()} or a dotted path to a Gymnasium Env class")
+        try:
+            make_env(rollout.env, dict(rollout.env_args)).close()
+        except Exception as err:  # the environment's own check of its arguments
+            config_error(f"{prefix}rollout.env_args", dict(rollout.env_args), f"{type(err).__name__}: {err}")
+    for key, value, least in (("max_turns", rollout.max_turns, 1), ("max_concurrent_tasks", rollout.max_concurrent_tasks, 1),
+                              ("max_retries", rollout.max_retries, 0)):
+        if value < least:
+            config_error(f"{prefix}rollout.{key}", value, f"use {least} or more")
+    if not rollout.task_timeout_s > 0:
+        config_error(f"{prefix}rollout.task_timeout_s", rollout.task_timeout_s, "use a positive number of seconds")
+
+
 def world_size(cfg: RFTConfig) -> int:
     """Tasks the job runs: trainer + rollout ranks; only trainer ranks for mode=train, only rollout
     ranks for mode=explore; one for mode=bench."""
@@ -446,10 +519,12 @@ def validate(cfg: RFTConfig) -> None:
     for name, stage in stage_configs(cfg):
         prefix = f"stages[{name}]." if cfg.stages else ""
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
-        generated = data.arithmetic is not None
-        if generated and data.eval_path is None:
+        generated = data.arithmetic is not None or data.from_env is not None
+        if data.arithmetic is not None and data.eval_path is None:
             config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
                                                    "set it to a .jsonl path")
+        if data.from_env is not None:
+            _check_env_tasks(prefix, stage)
         _check_file(f"{prefix}data.train_path", data.train_path, generated)
         _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
         _check_algorithm(prefix, algo)
@@ -462,8 +537,7 @@ def validate(cfg: RFTConfig) -> None:
         if cfg.mode == "both" and algo.policy_loss == "dpo":
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "DPO trains offline on preference pairs: run it with mode=train")
-        if algo.reward not in _REWARDS:
-            config_error(f"{prefix}algorithm.reward", algo.reward, f"choose one of {_REWARDS}")
+        _check_rollout_plugins(prefix, stage)
         if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
             config_error(f"{prefix}algorithm.group_size", algo.group_size,
                   f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")

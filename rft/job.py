@@ -8,8 +8,9 @@ import traceback
 from omegaconf import OmegaConf
 
 
-def pid_path(run_dir: str, rank: int) -> str:
-    return os.path.join(run_dir, "pids", f"rank{rank}.pid")
+def pid_path(run_dir: str, rank: int, supervisor: bool = False) -> str:
+    """The rank's process id (kill it to kill the rank), or its supervising task's."""
+    return os.path.join(run_dir, "pids", f"rank{rank}{'.supervisor' if supervisor else ''}.pid")
 
 
 def _roll_back_buffer(cfg, info, resume) -> None:
@@ -19,7 +20,7 @@ def _roll_back_buffer(cfg, info, resume) -> None:
     from rft.buffer.shards import ExperienceBuffer
     from rft.checkpoint import requeue_count
 
-    written = resume.load(info.rank)["global_step"]  # shards [0, written) are in this checkpoint
+    written = resume.load(info.rank)["progress"]["global_step"]  # shards [0, written) are in this checkpoint
     buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
     into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{written:08d}"
     moved = buffer.roll_back(info.rank, written, into)
@@ -35,8 +36,17 @@ def run_rank(config: dict, master_port: int) -> dict:
     """Entry point pickled by submitit; `config` is the resolved, validated config tree. The rank
     runs in a child process, so a kill by a signal (the OOM killer, kill -9) is reported as such
     (rft/runtime/supervisor.py)."""
+    import submitit
+
     from rft.runtime.supervisor import run_supervised
 
+    # The task outlives its rank by the time it takes to hand the rank's outcome to submitit
+    # (unpickling an exception may import torch or vLLM: seconds): the launcher counts a rank
+    # alive while either process is (rft/report.py), so that is not mistaken for a silent death.
+    path = pid_path(config["run"]["output_dir"], submitit.JobEnvironment().global_rank, supervisor=True)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(str(os.getpid()))
     return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
 
 

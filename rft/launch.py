@@ -24,12 +24,24 @@ register_configs()
 
 
 def prepare(cfg: RFTConfig) -> None:
-    """Create what the config says to generate: the tiny model and synthetic tasksets."""
+    """Create what the config says to generate: the tiny model and synthetic tasksets (of the top
+    level and of every stage that sets its own data)."""
     from rft.buffer.arithmetic import write_arithmetic_tasksets
+    from rft.config import stage_configs
+    from rft.explorer.envs import write_env_tasksets
 
     os.makedirs(cfg.run.output_dir, exist_ok=True)
-    if cfg.data.arithmetic is not None:
-        write_arithmetic_tasksets(cfg.data.arithmetic, cfg.data.train_path, cfg.data.eval_path, cfg.seed)
+    written = set()
+    for _, stage in [("top", cfg), *stage_configs(cfg)]:
+        data = stage.data
+        key = (data.train_path, data.eval_path)
+        if key in written:
+            continue
+        if data.arithmetic is not None:
+            write_arithmetic_tasksets(data.arithmetic, data.train_path, data.eval_path, cfg.seed)
+        elif data.from_env is not None:
+            write_env_tasksets(stage.rollout.env, data.from_env, data.train_path, data.eval_path, cfg.seed)
+        written.add(key)
     if cfg.model.tiny is not None:
         from rft.models.tiny import create_tiny_model
 

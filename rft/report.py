@@ -62,10 +62,15 @@ def _pid_alive(pid_file: str) -> bool | None:
 
 
 def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
-    """Liveness from the pid files the ranks write (only meaningful on the launcher's machine)."""
+    """Liveness from the pid files the ranks and their supervising tasks write (only meaningful on
+    the launcher's machine): alive while either process is."""
     from rft.job import pid_path
 
-    return lambda rank: _pid_alive(pid_path(run_dir, rank))
+    def alive(rank: int) -> bool | None:
+        states = [_pid_alive(pid_path(run_dir, rank)), _pid_alive(pid_path(run_dir, rank, supervisor=True))]
+        return True if True in states else (None if states == [None, None] else False)
+
+    return alive
 
 
 _WARNED: set[str] = set()

@@ -106,7 +106,7 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.trainer.trainer import WeightPublisher
+    from rft.trainer.publisher import WeightPublisher
     from rft.weights.convert import load_hf_weights
 
     if torch.cuda.is_available():  # vLLM holds GPU 0; NCCL wants one GPU per rank
@@ -152,12 +152,7 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
 
 
 def vllm_logprobs(engine) -> list[list[float]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in SEQUENCES], params, use_tqdm=False)
-    return [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], s[1:])] for o, s in zip(outs, SEQUENCES)]
+    return engine.prompt_logprobs(SEQUENCES)
 
 
 def raw_checkpoint_seconds(directory: str, nbytes: int) -> float:
@@ -234,7 +229,7 @@ def main() -> None:
         raw_s = raw_checkpoint_seconds(cfg.run.output_dir, nbytes)
     else:
         open(os.path.join(scratch, "ready_raw"), "w").close()
-        engine.llm.collective_rpc("rft_raw_broadcast", args=(nbytes,))
+        engine.collective_rpc("rft_raw_broadcast", (nbytes,))
         raw_s = time.time() - float(open(os.path.join(scratch, "t0_raw")).read())
     for p in trainers:
         p.join(timeout=args.timeout_s)

@@ -48,13 +48,48 @@ class ContextFit:
         return self._fit(tasks, path, lambda t: max_new_tokens, True, rows)
 
     def for_references(self, tasks: list[Task], path: str, rows: dict[str, dict[str, int]],
-                       preferences: bool = False) -> list[Task]:
-        """SFT rows (prompt + reference answer + EOS) or DPO pairs (prompt + the longer answer)."""
+                       preferences: bool = False, messages_key: str | None = None) -> list[Task]:
+        """SFT rows (prompt + reference answer + EOS, or a whole conversation in `messages_key`,
+        which is skipped when too long: it has no single prompt to cut) or DPO pairs (prompt +
+        the longer answer)."""
+        conversations = [t for t in tasks if messages_key is not None and messages_key in t.row]
+        if conversations:
+            return self._fit_conversations(tasks, path, rows, messages_key)
+
         def answer_tokens(task: Task) -> int:
             answers = [task.answer] + ([task.rejected] if preferences and task.rejected is not None else [])
             return max(len(reference_response(a, self.tokenizer)) for a in answers)
 
         return self._fit(tasks, path, answer_tokens, False, rows)
+
+    def _fit_conversations(self, tasks: list[Task], path: str, rows: dict[str, dict[str, int]],
+                           messages_key: str) -> list[Task]:
+        from rft.explorer.chat_format import chat_format, conversation_ids
+
+        fmt = chat_format(self.tokenizer, self.chat_template)
+        kept, skipped, examples = [], 0, []
+        for task in tasks:
+            if messages_key not in task.row:
+                kept.append(task)
+                continue
+            length = len(conversation_ids(fmt, self.tokenizer, task.row[messages_key])[0])
+            if length <= self.context:
+                kept.append(task)
+                continue
+            if self.policy == "error":
+                raise ValueError(f"{row_label(path, task.index)} of {path} is a conversation of {length} tokens, more "
+                                 f"than the model's context of {self.context} and data.overlong=error; shorten it or "
+                                 "set data.overlong=skip")
+            skipped += 1
+            if len(examples) < _EXAMPLES:
+                examples.append(f"{row_label(path, task.index)} needs {length} tokens")
+        if examples:
+            print(f"{path}: {skipped} conversation(s) longer than the context of {self.context} tokens skipped; e.g. "
+                  + "; ".join(examples), flush=True)
+        rows.setdefault(path, {}).update({"overlong_skipped": skipped, "truncated": 0})
+        if tasks and not kept:
+            raise ValueError(f"every row of {path} is longer than the model's context of {self.context} tokens")
+        return kept
 
     def _prompt_lengths(self, tasks: list[Task], special_tokens: bool) -> list[int]:
         lengths: list[int] = []

@@ -126,14 +126,21 @@ def _text_field(obj: dict, key: str) -> str:
 
 def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str,
                  rejected_key: str | None = None, required: tuple[str, ...] = ("prompt", "answer"),
-                 id_key: str | None = None) -> Task | str:
-    """Return a Task, or a short reason the row is unusable. `required`: which of "prompt" and
-    "answer" the row must hold (other columns are kept as they are, in `Task.row`)."""
+                 id_key: str | None = None, messages_key: str | None = None) -> Task | str:
+    """Return a Task, or a short reason the row is unusable. `required`: the columns the row must
+    hold, "prompt" and "answer" standing for `prompt_key` and `answer_key` (every column is kept,
+    in `Task.row`)."""
     if isinstance(obj, ValueError):
         return str(obj)
     if not isinstance(obj, dict):
         return f"not a JSON object (got {type(obj).__name__})"
-    needed = [key for key, role in ((prompt_key, "prompt"), (answer_key, "answer")) if role in required]
+    if messages_key is not None and messages_key in obj:  # a conversation to train on (SFT)
+        problem = _messages_problem(obj[messages_key], messages_key)
+        if problem:
+            return problem
+        required = ()
+    roles = {"prompt": prompt_key, "answer": answer_key}
+    needed = [roles.get(column, column) for column in required]
     for key in (*needed, rejected_key):
         if key is not None and key not in obj:
             keys = ", ".join(sorted(map(str, obj))[:8])
@@ -152,9 +159,22 @@ def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, templat
     return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj, id=task_id)
 
 
+def _messages_problem(messages: Any, key: str) -> str | None:
+    """Why a conversation column is unusable, or None."""
+    if not isinstance(messages, list) or not messages:
+        return f"{key!r} must be a non-empty list of messages"
+    for i, m in enumerate(messages):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            return f"{key}[{i}] must be an object with string 'role' and 'content'"
+    roles = [m["role"] for m in messages]
+    if "assistant" not in roles or roles[0] == "assistant":
+        return f"{key!r} needs a message before the first assistant turn and at least one assistant turn"
+    return None
+
+
 def read_taskset(
     path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None,
-    required: tuple[str, ...] = ("prompt", "answer"), id_key: str | None = None,
+    required: tuple[str, ...] = ("prompt", "answer"), id_key: str | None = None, messages_key: str | None = None,
 ) -> tuple[list[Task], TasksetReport]:
     """Read `.jsonl`/`.json` (one object per line, or one top-level array) or `.parquet` rows.
 
@@ -177,7 +197,8 @@ def read_taskset(
     tasks: list[Task] = []
     report = TasksetReport(path=path, rows=0, skipped=0)
     for index, where, obj in rows:
-        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key, required, id_key)
+        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key, required, id_key,
+                              messages_key)
         if isinstance(result, Task):
             tasks.append(result)
             continue
@@ -256,15 +277,16 @@ class TaskCursor:
 
 
 def read_stage_tasks(path: str, data, rows: dict[str, dict[str, int]], preferences: bool = False,
-                     required: tuple[str, ...] = ("prompt", "answer")) -> list[Task]:
+                     required: tuple[str, ...] = ("prompt", "answer"), messages_key: str | None = None) -> list[Task]:
     """Read a taskset with a stage's `data` settings (rft.config.DataConfig) and record in
     `rows[path]["malformed"]` how many malformed rows it skipped (the run summary reports them;
     rft/buffer/context_fit.py adds the rows longer than the context).
     `preferences`: rows are (prompt, chosen, rejected) pairs (data.chosen_key, data.rejected_key).
-    `required`: the columns the stage's workflow needs (rft.explorer.workflows.required_columns)."""
+    `required`: the columns the stage's workflow needs (rft.explorer.workflows.required_columns).
+    `messages_key`: SFT rows holding a conversation in this column need no prompt or answer."""
     answer_key = data.chosen_key if preferences else data.answer_key
     tasks, report = read_taskset(path, data.prompt_key, answer_key, data.prompt_template,
-                                 data.rejected_key if preferences else None, required, data.id_key)
+                                 data.rejected_key if preferences else None, required, data.id_key, messages_key)
     rows[report.path] = {"malformed": report.skipped}
     return tasks
 

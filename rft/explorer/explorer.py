@@ -1,14 +1,13 @@
-"""The rollout rank: stages of (generate + score -> write experience) -> receive new weights.
+"""The rollout rank: run the workflow over each step's tasks, write the experience, take new weights.
 
     for each stage:
         evaluate (stage start)
-        for each step e:
-            if the stage learns from rollouts (GRPO):
-                rows = workflow(engine, cursor.next_batch())  # vLLM, reward
-                buffer.write(rows, version=engine.version)
-            for each trainer step t paired with e:            # rft/schedule.py (sync.offset)
-                vote at t's control point (stop? checkpoint?)
-                engine.receive_weights() if the trainer publishes after t
+        for each step:
+            experiences = workflow(task) x group_size for the step's tasks   # vLLM, env, reward
+            buffer.write(experiences)
+            for each trainer step this step meets:       # rft/schedule.py (sync.offset)
+                vote at its control point                 # stop? checkpoint? (rft/runtime/control.py)
+                receive the weights the trainer published after it, if it did
         evaluate (stage end)
 """
 
@@ -16,161 +15,180 @@ from __future__ import annotations
 
 import os
 import time
-
 import torch
 
 from rft.algorithms.filters import SAMPLE_FILTERS
-from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.context_fit import ContextFit
-from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
-from rft.checkpoint import Resume, SaveClock, save_rank_state
+from rft.buffer.experience import Experience, to_table
+from rft.buffer.shards import ExperienceBuffer
+from rft.buffer.taskset import Task, TaskCursor, read_stage_tasks, row_scalars
+from rft.checkpoint import Resume
 from rft.cluster import RankInfo, engine_span, sync_layout
-from rft.config import RFTConfig, context_length, needs_rollouts, stage_configs
-from rft.explorer.rewards import RewardScorer
-from rft.explorer.vllm_engine import RolloutEngine
-from rft.explorer.workflow import evaluate, run_filtered, run_single_turn
-from rft.monitor import (Monitor, append_jsonl, drop_from_step, eval_path, peak_rss_gb, rank_summary_path,
-                         write_json_atomic)
-from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
-from rft.schedule import is_eval_step, paired_trainer_steps, publishes_after
+from rft.config import RFTConfig, context_length, needs_rollouts
+from rft.explorer.dynamic_sampling import run_filtered
+from rft.explorer.model_client import Sampling
+from rft.explorer.runner import Outcome, WorkflowRunner
+from rft.explorer.vllm_engine import LoopThread, RolloutEngine
+from rft.explorer.workflows import required_columns
+from rft.monitor import append_jsonl, drop_from_step, eval_path
+from rft.preemption import ControlGroup, StopFlag
+from rft.runtime.control import Runtime, Stage, Step
+from rft.runtime.state import Value
+from rft.schedule import is_eval_step
 
 
-def run_explorer(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: StopFlag,
-                 resume: Resume | None) -> dict:
+def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
     """Explore every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
-    run_dir = cfg.run.output_dir
-    t_start = time.time()
-    stop.ignore_in_children()  # vLLM's worker processes must survive Slurm's SIGUSR2
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model))
+    started = time.time()
+    stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
+    engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
+                             loop=LoopThread())]  # one engine per rank for now
     stop.install()
-    startup_s = time.time() - t_start  # overlaps the trainer's first steps
-    saved = resume.load(info.rank) if resume else None
-    # with sync.offset this rank saved ahead of the trainer: its own step is where it resumes
-    resumed_at = saved["global_step"] if saved else None
-    monitor = Monitor(run_dir, f"rollout{info.rank}", resumed_at)
-    if saved:
-        drop_from_step(eval_path(run_dir), resumed_at)
-    buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    global_step, joined = (saved["global_step"], False) if saved else (0, False)
-    totals = {"rollout_s": 0.0, "buffer_s": 0.0, "sync_wait_s": 0.0, "eval_s": 0.0, "startup_s": 0.0}
-    row_counts: dict[str, dict[str, int]] = {}  # per taskset: rows skipped (malformed, overlong), truncated
-    reward_errors, prior_wall_s = 0, 0.0
-    if saved:
-        totals, row_counts, reward_errors = saved["totals"], saved["skipped"], saved["reward_errors"]
-        prior_wall_s, engine.version = saved["wall_s"], saved["version"]
-    totals["startup_s"] += startup_s
-    save_clock = SaveClock(cfg.trainer.save_every_min)
-    for stage_index, (stage_name, stage) in enumerate(stage_configs(cfg)):
-        if saved and stage_index < saved["stage_index"]:
-            continue
-        algo, rollout, data = stage.algorithm, stage.rollout, stage.data
-        eval_scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
-        scorer = RewardScorer(algo.reward, rollout.reward_timeout_s)
-        fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), data.overlong)
-        eval_tasks = []
-        if data.eval_path:
-            eval_tasks = fit.for_rollouts(read_stage_tasks(data.eval_path, data, row_counts), data.eval_path,
-                                          rollout.max_new_tokens, row_counts)[: data.eval_limit]
+    runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
+    runtime.progress.add(startup_s=time.time() - started)  # overlaps the trainer's first steps
+    explorer = Explorer(cfg, info, engines, runtime)
+    for stage in runtime.stages():
+        explorer.begin(stage)
+        for step in stage.steps():
+            scalars = step.pending if step.resumed else explorer.explore(stage, step)
+            with runtime.timed("sync_wait_s"):
+                for point in stage.control_points(step, "rollout"):
+                    point.meet(scalars)
+                    if point.publishes:
+                        scalars["timing/weight_apply_s"] = explorer.receive_weights()
+            runtime.log(stage, step.global_step, scalars)
+            if is_eval_step(cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
+                explorer.evaluate(stage, "interval", step.global_step)
+        explorer.evaluate(stage, "end", stage.start + stage.cfg.trainer.max_steps)
+        explorer.end()
+    for engine in engines:
+        engine.close()
+    return runtime.finish({"role": "rollout", "version": explorer.version.value})
 
-        def run_eval(when: str) -> None:
-            if not eval_tasks:
-                return
-            t0 = time.time()
-            acc = evaluate(engine, eval_tasks, eval_scorer, rollout.max_new_tokens,
-                           rollout.eval_temperature, list(rollout.stop), cfg.seed, cfg.model.chat_template)
-            totals["eval_s"] += time.time() - t0
-            monitor.log(global_step, {"eval/accuracy": acc}, stage_name)
-            append_jsonl(eval_path(run_dir), {"stage": stage_name, "when": when, "step": global_step,
-                                              "version": engine.version, "accuracy": acc,
-                                              "num_tasks": len(eval_tasks)})
 
-        cursor = None
-        if needs_rollouts(stage):
-            tasks = fit.for_rollouts(read_stage_tasks(data.train_path, data, row_counts), data.train_path,
-                                     rollout.max_new_tokens, row_counts)
-            cursor = TaskCursor(tasks, cfg.seed + stage_index)
-        first_step, pending, voted = 0, None, None
-        stage_start = global_step  # global steps done before this stage (the same count for the trainer)
-        if saved and stage_index == saved["stage_index"]:
-            if cursor is not None:
-                cursor.load_state_dict(saved["cursor"])
-            first_step, pending, voted = saved["step"], saved["scalars"], saved.get("voted", saved["step"])
-            stage_start = saved["global_step"] - saved["step"] - 1
-            saved = None
-        else:
-            stage_files = [data.eval_path] + ([data.train_path] if cursor else [])
-            monitor.log(global_step, row_scalars(row_counts, stage_files), stage_name)
-            run_eval("start")
-        for step in range(first_step, stage.trainer.max_steps):
-            if pending is not None:  # resumed: this step's experience was written before the checkpoint
-                scalars, pending = pending, None
-            else:
-                scalars = {}
-                if cursor is not None:
-                    t0 = time.time()
+class Explorer:
+    """A rollout rank's engines, buffer, tasksets and workflow runner."""
 
-                    def generate(num_tasks: int, round_index: int) -> dict[str, list]:
-                        return run_single_turn(engine, cursor.next_batch(num_tasks), algo.group_size, scorer,
-                                               rollout.max_new_tokens, rollout.temperature, rollout.top_p,
-                                               list(rollout.stop),
-                                               cfg.seed * 10**9 + global_step * 10**5 + round_index * 10**4,
-                                               cfg.model.chat_template)
+    def __init__(self, cfg: RFTConfig, info: RankInfo, engines: list[RolloutEngine], runtime: Runtime):
+        self.cfg, self.info, self.engines, self.runtime = cfg, info, engines, runtime
+        run_dir = cfg.run.output_dir
+        self.buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+        self.failed_path = os.path.join(run_dir, "buffer", "failed.jsonl")
+        self.version = runtime.state.track("version", Value(0))  # the weights the engines serve
+        for engine in engines:
+            engine.version = self.version.value
+        if runtime.resumed_at is not None:
+            drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
+        self.joined = False  # the trainer opens the weight groups at its first sync
+        self.runner: WorkflowRunner | None = None
+        self.cursor: TaskCursor | None = None
+        self.eval_tasks: list[Task] = []
 
-                    rows, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
-                                                      rollout.tasks_per_step, algo.group_size,
-                                                      rollout.max_sampling_rounds)
-                    t1 = time.time()
-                    buffer.write(rows, step=global_step, producer=info.rank, version=engine.version)
-                    t2 = time.time()
-                    generated = sum(len(r) for r in rows["response_ids"])
-                    totals["rollout_s"] += t1 - t0
-                    totals["buffer_s"] += t2 - t1
-                    scalars = {"timing/rollout_s": t1 - t0, "timing/buffer_write_s": t2 - t1,
-                               "perf/tokens_per_s": generated / max(t1 - t0, 1e-9),
-                               "rollout/reward_errors": scorer.errors + scorer.timeouts, **filter_stats}
-                global_step += 1
-            t3 = time.time()
-            for t in paired_trainer_steps(cfg, stage, step):
-                if voted is not None and t <= voted:  # resumed: voted (and saved) before the checkpoint
-                    if t < voted:
-                        continue
-                else:
-                    # the control point, in step with the trainer's step t (rft/preemption.py)
-                    stopping, save_due = control.vote(stop.requested, save_clock.due())
-                    done = stage_start + t + 1  # the trainer's global steps: what the checkpoint is named by
-                    if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
-                        save_rank_state(run_dir, done, info.rank, {
-                            "global_step": global_step, "stage_index": stage_index, "step": step, "voted": t,
-                            "cursor": cursor.state_dict() if cursor else None, "version": engine.version,
-                            "scalars": scalars, "totals": totals, "skipped": row_counts,
-                            "reward_errors": reward_errors + scorer.errors + scorer.timeouts
-                            + eval_scorer.errors + eval_scorer.timeouts,
-                            "wall_s": prior_wall_s + time.time() - t_start})
-                        control.any(False)  # every rank's file is written: the checkpoint is complete
-                        save_clock.saved()
-                        if stopping:
-                            monitor.close()
-                            requeue_or_stop(control, stop, run_dir, done, cfg.cluster.max_requeues)
-                if publishes_after(cfg, stage, stage_start, t, resumed=t == voted):
-                    if not joined:  # the trainer opens the groups at its first sync, not before
-                        engine.open_weight_receiver(sync_layout(cfg, info, torch.cuda.is_available()),
-                                                    info.role_rank // engine_span(cfg)
-                                                    * cfg.rollout.tensor_parallel_size)
-                        joined = True
-                    scalars["timing/weight_apply_s"] = engine.receive_weights()
-            voted = None
-            totals["sync_wait_s"] += time.time() - t3
-            if scalars:
-                monitor.log(global_step, scalars, stage_name)
-            if is_eval_step(cfg, global_step, step, stage.trainer.max_steps):
-                run_eval("interval")
-        run_eval("end")
-        reward_errors += scorer.errors + scorer.timeouts + eval_scorer.errors + eval_scorer.timeouts
-        scorer.close()
-        eval_scorer.close()
-    monitor.close()
-    summary = {"role": "rollout", "rank": info.rank, "steps": global_step, "version": engine.version,
-               "wall_s": prior_wall_s + time.time() - t_start, "skipped_rows": row_counts,
-               "reward_errors": reward_errors, "peak_rss_gb": peak_rss_gb(), **totals}
-    write_json_atomic(rank_summary_path(run_dir, info.rank), summary)
-    return summary
+    # ---- a stage -----------------------------------------------------------------------------
+
+    def begin(self, stage: Stage) -> None:
+        """The stage's tasksets and runner; evaluate at its start (unless resumed inside it)."""
+        cfg, data, rollout, rows = self.cfg, stage.cfg.data, stage.cfg.rollout, self.runtime.progress.rows
+        self.runner = WorkflowRunner(self.engines, rollout, stage.cfg.algorithm.reward, cfg.model.chat_template,
+                                     self.failed_path)
+        columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
+        fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, context_length(cfg.model), data.overlong)
+
+        def tasks(path: str) -> list[Task]:
+            read = read_stage_tasks(path, data, rows, required=columns)
+            if "prompt" not in columns:  # the environment writes the prompt: the conversation keeps to the context
+                return read
+            return fit.for_rollouts(read, path, rollout.max_new_tokens, rows)
+
+        self.eval_tasks = tasks(data.eval_path)[: data.eval_limit] if data.eval_path else []
+        self.cursor = None
+        if needs_rollouts(stage.cfg):
+            self.cursor = self.runtime.state.track("cursor", TaskCursor(tasks(data.train_path), cfg.seed + stage.index),
+                                                   restore=stage.resumed)
+        if not stage.resumed:
+            files = [data.eval_path] + ([data.train_path] if self.cursor else [])
+            self.runtime.log(stage, stage.start, row_scalars(rows, files))
+            self.evaluate(stage, "start", stage.start)
+
+    def end(self) -> None:
+        self.runner.close()
+        self.runtime.state.components.pop("cursor", None)
+
+    # ---- a step ------------------------------------------------------------------------------
+
+    def explore(self, stage: Stage, step: Step) -> dict[str, float]:
+        """Generate the step's experience and write it as this rank's shard of the step."""
+        if self.cursor is None:  # a dataset stage (SFT): the explorer only evaluates
+            return {}
+        algo, rollout = stage.cfg.algorithm, stage.cfg.rollout
+        sampling = Sampling(rollout.temperature, rollout.top_p, rollout.max_new_tokens, tuple(rollout.stop))
+        outcomes: list[Outcome] = []
+        start = time.time()
+
+        def generate(num_tasks: int, round_index: int) -> list[Experience]:
+            key = (self.cfg.seed, step.global_step, round_index, self.info.rank)
+            outcomes.append(self.runner.run(self.cursor.next_batch(num_tasks), algo.group_size, sampling, key,
+                                            f"{step.global_step}:{self.info.rank}:{round_index}"))
+            return outcomes[-1].experiences
+
+        experiences, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
+                                                 rollout.tasks_per_step, rollout.max_sampling_rounds)
+        generated = time.time()
+        self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.info.rank,
+                          version=self.version.value)
+        written = time.time()
+        self.runtime.progress.add(rollout_s=generated - start, buffer_s=written - generated,
+                                  reward_errors=sum(o.reward_errors for o in outcomes),
+                                  failed_samples=sum(o.failed for o in outcomes))
+        return {"timing/rollout_s": generated - start, "timing/buffer_write_s": written - generated,
+                "perf/tokens_per_s": sum(e.sampled_tokens for e in experiences) / max(generated - start, 1e-9),
+                **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats}
+
+    def receive_weights(self) -> float:
+        """Take the weights the trainer publishes now; the seconds the engines spent loading them."""
+        if not self.joined:  # the trainer opens the groups at its first sync, not before
+            layout = sync_layout(self.cfg, self.info, torch.cuda.is_available())
+            first = self.info.role_rank // engine_span(self.cfg) * self.cfg.rollout.tensor_parallel_size
+            for engine in self.engines:
+                engine.open_weight_receiver(layout, first)
+            self.joined = True
+        applied = max(engine.receive_weights() for engine in self.engines)
+        self.version.value = self.engines[0].version
+        return applied
+
+    def evaluate(self, stage: Stage, when: str, global_step: int) -> None:
+        """Mean reward of one greedy (rollout.eval_temperature) sample per eval task, and the
+        means of the workflow's metrics (turns, success, ...): eval/accuracy, eval/<metric>."""
+        if not self.eval_tasks:
+            return
+        rollout = stage.cfg.rollout
+        start = time.time()
+        sampling = Sampling(rollout.eval_temperature, 1.0, rollout.max_new_tokens, tuple(rollout.stop))
+        outcome = self.runner.run(self.eval_tasks, 1, sampling, (self.cfg.seed, "eval"),
+                                  f"eval-{stage.index}-{when}-{global_step}", evaluation=True)
+        trajectories = {e.trajectory_id: e for e in outcome.experiences}.values()  # step_wise: one per trajectory
+        accuracy = sum(float(e.reward) for e in trajectories) / len(self.eval_tasks)  # a failed task scores 0
+        metrics = {key.removeprefix("eval/"): value
+                   for key, value in outcome_scalars([outcome], list(trajectories), "eval").items()}
+        self.runtime.progress.add(eval_s=time.time() - start, reward_errors=outcome.reward_errors,
+                                  failed_samples=outcome.failed)
+        self.runtime.log(stage, global_step, {"eval/accuracy": accuracy, **{f"eval/{k}": v for k, v in metrics.items()}})
+        append_jsonl(eval_path(self.cfg.run.output_dir), {
+            "stage": stage.name, "when": when, "step": global_step, "version": self.version.value,
+            "accuracy": accuracy, "num_tasks": len(self.eval_tasks), "metrics": metrics})
+
+
+def outcome_scalars(outcomes: list[Outcome], experiences: list[Experience], prefix: str) -> dict[str, float]:
+    """Per-trajectory means of turns, tool calls and the workflow's metrics, and what failed."""
+    trajectories = list({e.trajectory_id: e for e in experiences}.values())
+    n = max(len(trajectories), 1)
+    out = {f"{prefix}/turns": sum(e.turns for e in trajectories) / n,
+           f"{prefix}/tool_calls": sum(e.tool_calls for e in trajectories) / n,
+           f"{prefix}/failed_samples": float(sum(o.failed for o in outcomes)),
+           f"{prefix}/retries": float(sum(o.retries for o in outcomes)),
+           f"{prefix}/timeouts": float(sum(o.timeouts for o in outcomes)),
+           f"{prefix}/reward_errors": float(sum(o.reward_errors for o in outcomes))}
+    for key in sorted({k for e in trajectories for k in e.metrics}):
+        values = [e.metrics[key] for e in trajectories if key in e.metrics]
+        out[f"{prefix}/{key}"] = sum(values) / len(values)
+    return out

@@ -1,12 +1,20 @@
-"""Reward functions `reward(response, answer) -> float`, a registry of them, and a safe scorer.
+"""Reward functions, their registry, and a scorer that isolates them.
 
-`algorithm.reward` names an entry of `REWARDS`. A new reward is one decorated function:
+Registry REWARDS; a reward sees the whole trajectory (an experience record: its `response` text,
+`token_ids`, `turns`, `tool_calls`, `metrics`, ...) and the task (`task.answer`, `task.prompt`,
+`task.row` with every column of the taskset row):
 
-    @register_reward("my_reward")
-    def my_reward(response: str, answer: str) -> float: ...
+    fn(trajectory: Experience, task: Task) -> float                  one at a time
+    fn(trajectories: list[Experience], tasks: list[Task]) -> list    batch form (e.g. a model judge)
+    async def fn(trajectory, task) -> float                           async form (e.g. an HTTP judge)
 
-`RewardScorer` runs a reward over a batch with a per-sample time limit (`rollout.reward_timeout_s`):
-a sample whose reward raises or runs too long scores 0.0, is counted, and scoring goes on.
+`algorithm.reward` takes a built-in name (`exact_match`, `math_verify`) or a dotted path to your
+own function; its signature is checked at launch. Workflows whose environment gives the reward
+(grid_world) leave this unused.
+
+`RewardScorer` runs a reward with a time limit per sample (`rollout.reward_timeout_s`; a batch
+call gets that per sample): a sample whose reward raises or runs too long scores 0.0, is counted,
+and scoring goes on.
 
 Why the scorer uses a child process and not a thread: a thread cannot be stopped, and worse, a
 reward stuck inside C code that holds the GIL freezes the whole interpreter, so the caller's
@@ -16,66 +24,58 @@ killed. It is forked (not spawned) so that any callable works, including rewards
 tests or scripts, and so that a restart after a timeout costs milliseconds, not a fresh import of
 sympy. The child only runs the reward: it never touches CUDA, vLLM or sockets it inherited, and
 if a lock inherited from another thread ever deadlocks it, that shows up as a timeout, the child is
-killed and a fresh one is forked. Linux only (fork).
+killed and a fresh one is forked. Linux only (fork). Async rewards run on the caller's event loop
+instead (they wait on I/O; `asyncio.wait_for` bounds them), so they must not block it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import inspect
 import logging
 import math
 import multiprocessing
 import signal
 import threading
 from multiprocessing.connection import Connection
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from math_verify import parse, verify
 
-RewardFn = Callable[[str, str], float]
+from rft.registry import Registry
 
-REWARDS: dict[str, RewardFn] = {}
+if TYPE_CHECKING:
+    from rft.buffer.experience import Experience
+    from rft.buffer.taskset import Task
+
+REWARDS = Registry("reward", params=("trajectory", "task"), variants={"batch": ("trajectories", "tasks")},
+                   returns="float")
 
 logger = logging.getLogger(__name__)
 
 
-def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: make `fn` selectable as `algorithm.reward=<name>`."""
-
-    def decorator(fn: RewardFn) -> RewardFn:
-        existing = REWARDS.get(name)
-        if existing is not None and existing is not fn:
-            raise ValueError(
-                f"reward {name!r} is already registered ({existing.__module__}."
-                f"{existing.__qualname__}); pick another name for {fn.__module__}.{fn.__qualname__}"
-            )
-        REWARDS[name] = fn
-        return fn
-
-    return decorator
+def first_line_matches(response: str, answer: str) -> float:
+    """1.0 if the response's first line, whitespace-trimmed, is exactly the answer."""
+    lines = response.strip().splitlines()
+    first = lines[0].strip() if lines else ""
+    return 1.0 if first and first == answer.strip() else 0.0
 
 
-def get_reward(name: str) -> RewardFn:
-    """The reward registered as `name`; ValueError listing the registered names otherwise."""
-    try:
-        return REWARDS[name]
-    except KeyError:
-        raise ValueError(
-            f"algorithm.reward={name!r} is not a registered reward; choose one of "
-            f"{sorted(REWARDS)} or register a new one with @register_reward({name!r}) "
-            f"(see rft/explorer/rewards.py)"
-        ) from None
-
-
-@register_reward("exact_match")
-def exact_match(response: str, answer: str) -> float:
-    """1.0 if the response's first line, whitespace-trimmed, is exactly the answer.
+@REWARDS.register("exact_match", needs_answer=True)
+def exact_match(trajectory: Experience, task: Task) -> float:
+    """1.0 if the response's first line, whitespace-trimmed, is exactly the task's answer.
 
     For synthetic arithmetic: the policy answers `68` and may ramble on after a newline, which is
     ignored; `68.0`, `068` or `The answer is 68` are wrong on purpose (the format is part of the task).
     """
-    lines = response.strip().splitlines()
-    first = lines[0].strip() if lines else ""
-    return 1.0 if first and first == answer.strip() else 0.0
+    return first_line_matches(trajectory.response, _answer(task, "exact_match"))
+
+
+def _answer(task: Task, reward: str) -> str:
+    if task.answer is None:
+        raise ValueError(f"reward {reward} compares with the task's answer, but task {task.task_id} has none "
+                         "(data.answer_key names the column)")
+    return task.answer
 
 
 def gsm8k_gold(answer: str) -> str:
@@ -86,8 +86,13 @@ def gsm8k_gold(answer: str) -> str:
     return answer.rsplit("####", 1)[-1].strip().replace(",", "")
 
 
-@register_reward("math_verify")
-def math_verify_reward(response: str, answer: str) -> float:
+@REWARDS.register("math_verify", needs_answer=True)
+def math_verify(trajectory: Experience, task: Task) -> float:
+    """math_verify_answer of the response against the task's answer (see below)."""
+    return math_verify_answer(trajectory.response, _answer(task, "math_verify"))
+
+
+def math_verify_answer(response: str, answer: str) -> float:
     """1.0 if math-verify finds the response's final answer equal to the GSM8K gold answer.
 
     math-verify's `parse` extracts `\\boxed{72}`, "The answer is 72", a bare "72" (it takes the
@@ -130,31 +135,36 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
 
-def _serve(fn: RewardFn, conn: Connection, parent_end: Connection) -> None:
-    """Child process loop: score (response, answer) pairs until the parent closes the pipe."""
+def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
+    """Child process loop: call `fn(*args)` for each request until the parent closes the pipe.
+    A request is (args, batch): a batch call returns one reward per sample."""
     # Our copy of the parent's end would keep the pipe open and hide the parent's exit from us.
     parent_end.close()
     # Ctrl-C reaches the whole process group; the parent handles it and kills us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
-            response, answer = conn.recv()
+            args, batch = conn.recv()
         except EOFError:
             return
         try:
-            value = float(fn(response, answer))
-            if not math.isfinite(value):
-                raise ValueError(f"reward returned {value}, which is not a finite number")
-            reply: tuple = ("ok", value)
+            result = fn(*args)
+            values = [float(v) for v in result] if batch else [float(result)]
+            if batch and len(values) != len(args[0]):
+                raise ValueError(f"batch reward returned {len(values)} rewards for {len(args[0])} trajectories")
+            bad = [v for v in values if not math.isfinite(v)]
+            if bad:
+                raise ValueError(f"reward returned {bad[0]}, which is not a finite number")
+            reply: tuple = ("ok", values)
         except Exception as exc:  # the reward's own bug or bad input: report it, keep serving
             reply = ("error", type(exc).__name__, str(exc))
         conn.send(reply)
 
 
 class _Child:
-    """A forked process that runs one reward function, one sample per request."""
+    """A forked process that runs one reward function, one request at a time."""
 
-    def __init__(self, fn: RewardFn, name: str) -> None:
+    def __init__(self, fn: Callable, name: str) -> None:
         ctx = multiprocessing.get_context("fork")
         self.conn, child_end = ctx.Pipe()
         # daemon: multiprocessing kills it when the parent exits normally; on a hard parent
@@ -164,10 +174,10 @@ class _Child:
         self.proc.start()
         child_end.close()
 
-    def call(self, response: str, answer: str, timeout_s: float) -> tuple | None:
+    def call(self, args: tuple, batch: bool, timeout_s: float) -> tuple | None:
         """The child's reply, or None if it did not answer within `timeout_s`."""
         try:
-            self.conn.send((response, answer))
+            self.conn.send((args, batch))
             if not self.conn.poll(timeout_s):
                 return None
             return self.conn.recv()
@@ -192,24 +202,28 @@ class _Child:
 
 
 class RewardScorer:
-    """Scores batches with the reward `name`; a raising or slow sample scores 0.0 and is counted.
+    """Scores trajectories with a reward (a REWARDS name, a dotted path or a function); a raising
+    or slow sample scores 0.0 and is counted.
 
     `errors` and `timeouts` count such samples over the scorer's life. Each kind of failure
     (a timeout, an exception type) is logged once with its first message, so a reward that fails
-    on every sample does not flood the log. The reward runs in a forked child process (see the
+    on every sample does not flood the log. Plain rewards run in a forked child process (see the
     module docstring): on a timeout the child is killed, so a reward that never returns, even one
-    stuck in C code, cannot hang `score`; the next sample gets a freshly forked child.
-    Safe to call from any thread; calls are serialised. Call `close()` (or use `with`) when done.
+    stuck in C code, cannot hang `score`; the next call gets a freshly forked child. A batch
+    reward that fails scores its whole batch 0.0. Safe to call from any thread; calls are
+    serialised. Call `close()` (or use `with`) when done.
     """
 
-    def __init__(self, name: str, timeout_s: float) -> None:
-        self.fn = get_reward(name)
+    def __init__(self, spec: str | Callable, timeout_s: float) -> None:
+        self.fn = REWARDS.resolve(spec)
         if not timeout_s > 0:
             raise ValueError(
                 f"rollout.reward_timeout_s={timeout_s!r} is invalid: use a positive number of "
                 f"seconds, e.g. 10"
             )
-        self.name = name
+        self.name = spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
+        self.batch = REWARDS.variant(self.fn) == "batch"
+        self.is_async = inspect.iscoroutinefunction(self.fn)
         self.timeout_s = float(timeout_s)
         self.errors = 0
         self.timeouts = 0
@@ -217,37 +231,72 @@ class RewardScorer:
         self._child: _Child | None = None
         self._lock = threading.Lock()
 
-    def score(self, responses: list[str], answers: list[str]) -> list[float]:
-        """One reward per (response, answer) pair, in order."""
-        if len(responses) != len(answers):
-            raise ValueError(
-                f"score() got {len(responses)} responses but {len(answers)} answers; pass one "
-                f"answer per response (repeat a task's answer for each sample of its group)"
-            )
+    def score(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
+        """One reward per (trajectory, task) pair, in order."""
+        self._check(trajectories, tasks)
+        if self.is_async:
+            return asyncio.run(self.score_async(trajectories, tasks))
         with self._lock:
-            return [self._score_one(r, a) for r, a in zip(responses, answers)]
+            if self.batch:
+                return self._call((list(trajectories), list(tasks)), len(trajectories)) if trajectories else []
+            return [self._call((t, task), 1)[0] for t, task in zip(trajectories, tasks)]
 
-    def _score_one(self, response: str, answer: str) -> float:
+    async def score_async(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
+        """`score` for callers on an event loop: plain rewards run in a worker thread (and their
+        child process), async ones on this loop, all samples at once."""
+        self._check(trajectories, tasks)
+        if not self.is_async:
+            return await asyncio.to_thread(self.score, trajectories, tasks)
+        if self.batch:
+            return await self._await(self.fn(list(trajectories), list(tasks)), len(trajectories))
+        return [v for vs in await asyncio.gather(*(self._await(self.fn(t, task), 1)
+                                                   for t, task in zip(trajectories, tasks))) for v in vs]
+
+    @staticmethod
+    def _check(trajectories: list, tasks: list) -> None:
+        if len(trajectories) != len(tasks):
+            raise ValueError(
+                f"score() got {len(trajectories)} trajectories but {len(tasks)} tasks; pass one "
+                f"task per trajectory (repeat a task for each sample of its group)"
+            )
+
+    async def _await(self, pending: Any, n: int) -> list[float]:
+        try:
+            result = await asyncio.wait_for(pending, self.timeout_s * n)
+            values = [float(v) for v in result] if self.batch else [float(result)]
+            if len(values) != n or not all(math.isfinite(v) for v in values):
+                raise ValueError(f"reward returned {values!r:.80} for {n} trajectories")
+            return values
+        except asyncio.TimeoutError:
+            return self._timed_out(n)
+        except Exception as exc:
+            return self._failed(type(exc).__name__, str(exc), n)
+
+    def _call(self, args: tuple, n: int) -> list[float]:
         if self._child is None:
             self._child = _Child(self.fn, self.name)
-        reply = self._child.call(response, answer, self.timeout_s)
+        reply = self._child.call(args, self.batch, self.timeout_s * n)
         if reply is None:
             self._child.kill()
             self._child = None
-            self.timeouts += 1
-            self._warn_once("timeout", f"reward {self.name!r} took longer than "
-                                       f"{self.timeout_s:g} s (rollout.reward_timeout_s) on a "
-                                       f"sample; it scores 0.0")
-            return 0.0
+            return self._timed_out(n)
         if reply[0] == "ok":
             return reply[1]
         _, kind, message = reply
         if kind == "RewardProcessDied":
             self._child = None
-        self.errors += 1
-        self._warn_once(kind, f"reward {self.name!r} raised {kind}: {message}; the sample "
-                              f"scores 0.0")
-        return 0.0
+        return self._failed(kind, message, n)
+
+    def _timed_out(self, n: int) -> list[float]:
+        self.timeouts += n
+        self._warn_once("timeout", f"reward {self.name!r} took longer than {self.timeout_s:g} s "
+                                   f"(rollout.reward_timeout_s) on a sample; it scores 0.0")
+        return [0.0] * n
+
+    def _failed(self, kind: str, message: str, n: int) -> list[float]:
+        self.errors += n
+        self._warn_once(kind, f"reward {self.name!r} raised {kind}: {message}; the sample scores 0.0")
+        return [0.0] * n
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:

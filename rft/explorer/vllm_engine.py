@@ -1,4 +1,4 @@
-"""The rollout engine: vLLM's `LLM` plus a worker extension that receives trainer weights.
+"""The rollout engine: vLLM's async engine plus a worker extension that receives trainer weights.
 
 vLLM's workers have their own torch.distributed world. The extension (`WeightReceiver`, mixed
 into vLLM's worker through `worker_extension_cls`) makes every worker a receiver of rft's weight
@@ -8,16 +8,23 @@ the path vLLM's RLHF examples use.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
+import threading
 import time
+import uuid
+from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, TypeVar
 
 from rft.config import ModelConfig, RolloutConfig
 
 if TYPE_CHECKING:
     from rft.weights.engines import SyncLayout
+
+T = TypeVar("T")
 
 
 class WeightReceiver:
@@ -116,59 +123,88 @@ def _reprocess_tied_layers(model) -> None:
                 module.quant_method.process_weights_after_loading(module)
 
 
-@dataclass
-class Sample:
-    """One generated response with the logprob vLLM assigned each of its tokens."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    response_logprobs: list[float]
-    text: str
-    finished: bool  # ended with EOS/stop rather than the length limit
-
-
 class RolloutEngine:
-    """A vLLM engine for one rollout rank; `version` is the policy version it serves."""
+    """One vLLM engine (vLLM's async engine, `AsyncLLM`) for a rollout rank; `version` is the
+    policy version it serves.
 
-    def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int):
+    Workflows await `generate` from an event loop that runs in a thread of its own (`run`), so
+    many trajectories are in flight at once while the rank's own loop (votes, buffer writes,
+    weight syncs) stays plain synchronous code. vLLM runs its engine core in a process of its own
+    (always, for the async engine); on CPU with TP=1 the model worker lives inside that process.
+    """
+
+    def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int,
+                 name: str = "engine 0", loop: LoopThread | None = None):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
-        # Keep vLLM's engine core in this process (TP=1): every generate/weight-load call is then a
-        # function call instead of a ZeroMQ round trip, which the synchronous loop pays each step.
+        # Fold the TP=1 worker into the engine core process: one process less, and weight loads and
+        # generation need no extra hop.
         if rollout.tensor_parallel_size == 1:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         else:
             # vLLM's CPU build pins each TP worker to its own NUMA node and refuses to start when
             # there are fewer nodes than workers (one-socket machines); let the OS place threads.
             os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-        from vllm import LLM
-
         import torch
+        from transformers import AutoTokenizer
+        from vllm.engine.arg_utils import AsyncEngineArgs
 
-        on_gpu = torch.cuda.is_available()
-        kwargs = dict(
-            model=model.path,
-            dtype=model.dtype,
-            seed=seed,
-            max_model_len=max_model_len,
-            max_num_seqs=rollout.max_num_seqs,
-            tensor_parallel_size=rollout.tensor_parallel_size,
-            worker_extension_cls="rft.explorer.vllm_engine.WeightReceiver",
-            enable_prefix_caching=True,
-        )
-        if on_gpu:
+        self.name, self.max_model_len, self.version, self.in_flight = name, max_model_len, 0, 0
+        kwargs = dict(model=model.path, dtype=model.dtype, seed=seed, max_model_len=max_model_len,
+                      max_num_seqs=rollout.max_num_seqs, tensor_parallel_size=rollout.tensor_parallel_size,
+                      worker_extension_cls="rft.explorer.vllm_engine.WeightReceiver",
+                      enable_prefix_caching=True, disable_log_stats=True)
+        if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:
             # On CPU "gpu_memory_utilization" is a share of the NUMA node's RAM; size the KV cache
             # directly instead (DESIGN.md section 6) and skip compilation, which only costs start-up.
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gb * 2**30)
             kwargs["enforce_eager"] = True
-        self.llm = LLM(**kwargs)
-        self.tokenizer = self.llm.get_tokenizer()
-        self.version = 0
+            # vLLM CPU (0.32) kills its engine when a seeded request's prefill is split across
+            # steps ("CPU Generator does not use offset"): every rft request is seeded, and many
+            # multi-turn prompts at once get split. Whole prefills only; GPUs keep chunking.
+            kwargs["enable_chunked_prefill"] = False
+        self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+        self.loop, self._own_loop = loop or LoopThread(), loop is None
+        self.llm = self.run(self._start(AsyncEngineArgs(**kwargs)))
+
+    @staticmethod
+    async def _start(args):
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        return AsyncLLM.from_engine_args(args)
+
+    def run(self, coroutine: Awaitable[T], timeout_s: float | None = None) -> T:
+        """Run `coroutine` on the engine's event loop and wait for its result (from any other thread)."""
+        return self.loop.run(coroutine, timeout_s)
+
+    async def generate(self, prompt_ids: list[int], params) -> list[Completion]:
+        """Sample `params.n` completions of `prompt_ids` (vllm.SamplingParams)."""
+        from vllm.inputs import tokens_input
+        from vllm.sampling_params import RequestOutputKind
+
+        # one final output per request: with n > 1 vLLM otherwise streams one sample per output
+        params.output_kind = RequestOutputKind.FINAL_ONLY
+        params.logprobs = 0  # the sampled token's logprob
+        self.in_flight += 1
+        try:
+            final = None
+            async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex):
+                final = out
+        finally:
+            self.in_flight -= 1
+        return [Completion(token_ids=list(c.token_ids),
+                           logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
+                           text=c.text, finish_reason=c.finish_reason or "length")
+                for c in final.outputs]
+
+    def collective_rpc(self, method: str, args: tuple = ()) -> list:
+        """Call a `WeightReceiver` method on every vLLM worker of this engine."""
+        return self.run(self.llm.collective_rpc(method, args=args))
 
     def open_weight_receiver(self, layout: "SyncLayout", first_index: int) -> None:
         """Make every vLLM worker a receiver (indices first_index, first_index + 1, ...)."""
-        self.llm.collective_rpc("rft_open_weight_receiver", args=(layout.as_dict(), first_index))
+        self.collective_rpc("rft_open_weight_receiver", (layout.as_dict(), first_index))
 
     def receive_weights(self, apply: bool = True) -> float:
         """Block until the trainer's next sync arrives and load it (sets `version`).
@@ -176,38 +212,70 @@ class RolloutEngine:
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
         """
-        replies = self.llm.collective_rpc("rft_receive_weights", args=(apply,))
+        replies = self.collective_rpc("rft_receive_weights", (apply,))
         start = time.perf_counter()
         if not apply:
             return float(replies[0][1])
         self.version = int(replies[0][0])
         # Cached KV blocks were computed by the old weights; drop them.
-        self.llm.reset_prefix_cache()
+        self.run(self.llm.reset_prefix_cache())
         return float(replies[0][1]) + time.perf_counter() - start
 
     def load_hf_dir(self, path: str) -> None:
         """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's)."""
-        self.llm.collective_rpc("rft_load_hf_dir", args=(path,))
-        self.llm.reset_prefix_cache()
+        self.collective_rpc("rft_load_hf_dir", (path,))
+        self.run(self.llm.reset_prefix_cache())
 
-    def generate(self, prompts: list[str], n: int, max_new_tokens: int, temperature: float,
-                 top_p: float, stop: list[str], seed: int) -> list[list[Sample]]:
-        """Sample `n` responses per prompt; returns one list of samples per prompt."""
+    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """log p(token t | tokens < t) under the served weights for t >= 1 of each sequence
+        (weight-sync checks compare these with the trainer's)."""
         from vllm import SamplingParams
+        from vllm.inputs import tokens_input
 
-        # One seed per prompt: reproducible, and prompts do not share a random stream.
-        params = [SamplingParams(n=n, max_tokens=max_new_tokens, temperature=temperature,
-                                 top_p=top_p, stop=stop or None, logprobs=0, seed=seed + i)
-                  for i in range(len(prompts))]
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        groups = []
-        for out in outputs:
-            samples = []
-            for comp in out.outputs:
-                ids = list(comp.token_ids)
-                logprobs = [float(step[tok].logprob) for step, tok in zip(comp.logprobs, ids)]
-                samples.append(Sample(prompt_ids=list(out.prompt_token_ids), response_ids=ids,
-                                      response_logprobs=logprobs, text=comp.text,
-                                      finished=comp.finish_reason == "stop"))
-            groups.append(samples)
-        return groups
+        async def one(ids: list[int]) -> list[float]:
+            params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+            final = None
+            async for out in self.llm.generate(tokens_input(ids), params, request_id=uuid.uuid4().hex):
+                final = out
+            return [float(step[tok].logprob) for step, tok in zip(final.prompt_logprobs[1:], ids[1:])]
+
+        async def all_of() -> list[list[float]]:
+            return list(await asyncio.gather(*(one(ids) for ids in sequences)))
+
+        return self.run(all_of())
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and the event loop."""
+        with contextlib.suppress(Exception):
+            self.llm.shutdown()
+        if self._own_loop:
+            self.loop.close()
+
+
+class LoopThread:
+    """An asyncio event loop running in a daemon thread: where workflows and every engine of a
+    rank run (vLLM's async engine binds to the loop it first runs on, so all share this one)."""
+
+    def __init__(self, name: str = "rft-rollout-loop"):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coroutine: Awaitable[T], timeout_s: float | None = None) -> T:
+        """Run `coroutine` on the loop and wait for its result (from any thread but the loop's)."""
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=10)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation: its token ids (the stop token included when the model stopped
+    on it), vLLM's logprob of each, the text, and why it ended (stop | length | context)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    text: str
+    finish_reason: str

@@ -40,7 +40,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     from rft.trainer.forward import pack_microbatch
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
-    from rft.trainer.trainer import WeightPublisher
+    from rft.trainer.publisher import WeightPublisher
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -63,13 +63,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
 
 
 def _vllm_logprobs(engine) -> list[list[float]]:
-    from vllm import SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
-    outs = engine.llm.generate([TokensPrompt(prompt_token_ids=s) for s in SEQUENCES], params, use_tqdm=False)
-    return [[step[tok].logprob for step, tok in zip(o.prompt_logprobs[1:], s[1:])]
-            for o, s in zip(outs, SEQUENCES)]
+    return engine.prompt_logprobs(SEQUENCES)
 
 
 def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, engine_name: str) -> None:

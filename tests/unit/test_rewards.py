@@ -8,15 +8,22 @@ import time
 
 import pytest
 
-from rft.explorer.rewards import (
-    REWARDS,
-    RewardScorer,
-    exact_match,
-    get_reward,
-    gsm8k_gold,
-    math_verify_reward,
-    register_reward,
-)
+from rft.buffer.experience import Experience
+from rft.buffer.taskset import Task
+from rft.explorer.rewards import REWARDS, RewardScorer, exact_match, gsm8k_gold, math_verify, math_verify_answer
+
+
+def trajectory(response: str) -> Experience:
+    return Experience(token_ids=[], loss_mask=[], logprobs=[], prompt_length=0, response=response)
+
+
+def scored(scorer: RewardScorer, responses: list[str], answers: list[str]) -> list[float]:
+    return scorer.score([trajectory(r) for r in responses], [Task(i, "q", a) for i, a in enumerate(answers)])
+
+
+def me(name: str) -> str:
+    """Dotted path of a function defined in this module (how a user names their reward)."""
+    return f"{__name__}.{name}"
 
 GSM8K_GOLD = (
     "Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
@@ -24,29 +31,15 @@ GSM8K_GOLD = (
 )
 
 
-@pytest.fixture
-def registered():
-    """Register test-only rewards and remove them afterwards, so tests do not leak names."""
-    added: list[str] = []
-
-    def add(name, fn):
-        register_reward(name)(fn)
-        added.append(name)
-
-    yield add
-    for name in added:
-        REWARDS.pop(name, None)
-
-
 @pytest.mark.parametrize("response", ["68", " 68 ", "68\n", "68\njunk 12+3=15", "\n 68\t\nmore"])
 def test_exact_match_accepts_answer_on_first_line(response):
-    assert exact_match(response, "68") == 1.0
+    assert exact_match(trajectory(response), Task(0, "q", "68")) == 1.0
 
 
 @pytest.mark.parametrize("response", ["", "6", "680", "68.0", "068", "The answer is 68",
                                       "junk\n68", "68 apples", "-68"])
 def test_exact_match_rejects_anything_else(response):
-    assert exact_match(response, "68") == 0.0
+    assert exact_match(trajectory(response), Task(0, "q", "68")) == 0.0
 
 
 def test_gsm8k_gold_takes_text_after_hashes_without_commas():
@@ -65,7 +58,7 @@ def test_gsm8k_gold_takes_text_after_hashes_without_commas():
     "#### 72\nI hope this helps! 5 stars.",
 ])
 def test_math_verify_accepts_correct_final_answers(response):
-    assert math_verify_reward(response, GSM8K_GOLD) == 1.0
+    assert math_verify(trajectory(response), Task(0, "q", GSM8K_GOLD)) == 1.0
 
 
 @pytest.mark.parametrize("response", [
@@ -76,12 +69,12 @@ def test_math_verify_accepts_correct_final_answers(response):
     "#### 27",
 ])
 def test_math_verify_rejects_wrong_or_missing_answers(response):
-    assert math_verify_reward(response, GSM8K_GOLD) == 0.0
+    assert math_verify_answer(response, GSM8K_GOLD) == 0.0
 
 
 def test_math_verify_handles_thousands_separators():
-    assert math_verify_reward("The answer is 1,200", "... \n#### 1,200") == 1.0
-    assert math_verify_reward("#### 1,200", "#### 1200") == 1.0
+    assert math_verify_answer("The answer is 1,200", "... \n#### 1,200") == 1.0
+    assert math_verify_answer("#### 1,200", "#### 1200") == 1.0
 
 
 def test_math_verify_works_off_the_main_thread():
@@ -89,72 +82,119 @@ def test_math_verify_works_off_the_main_thread():
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=1) as pool:
-        assert pool.submit(math_verify_reward, "\\boxed{72}", GSM8K_GOLD).result() == 1.0
+        assert pool.submit(math_verify_answer, "\\boxed{72}", GSM8K_GOLD).result() == 1.0
 
 
 def test_registry_lookup_and_unknown_name():
-    assert get_reward("exact_match") is exact_match
-    assert get_reward("math_verify") is math_verify_reward
+    assert REWARDS.resolve("exact_match") is exact_match
+    assert REWARDS.resolve("math_verify") is math_verify
     with pytest.raises(ValueError) as err:
-        get_reward("exact_mtach")
+        REWARDS.resolve("exact_mtach")
     message = str(err.value)
-    assert "algorithm.reward='exact_mtach'" in message
+    assert "unknown reward 'exact_mtach'" in message
     assert "exact_match" in message and "math_verify" in message
 
 
 def test_registering_a_taken_name_fails():
     with pytest.raises(ValueError, match="already registered"):
-        register_reward("exact_match")(lambda response, answer: 0.0)
-    assert get_reward("exact_match") is exact_match
+        REWARDS.register("exact_match")(lambda trajectory, task: 0.0)
+    assert REWARDS.resolve("exact_match") is exact_match
+
+
+def old_style(response, answer):
+    return 1.0
+
+
+def test_a_reward_with_another_signature_is_refused_naming_the_expected_one():
+    with pytest.raises(ValueError) as err:
+        RewardScorer(me("old_style"), timeout_s=1)
+    assert "fn(trajectory, task) -> float" in str(err.value) and "missing parameters: trajectory, task" in str(err.value)
 
 
 def test_scorer_scores_a_batch_in_order():
     with RewardScorer("exact_match", timeout_s=5) as scorer:
-        assert scorer.score(["68", "12\nx", "nope"], ["68", "12", "3"]) == [1.0, 1.0, 0.0]
+        assert scored(scorer, ["68", "12\nx", "nope"], ["68", "12", "3"]) == [1.0, 1.0, 0.0]
         assert (scorer.errors, scorer.timeouts) == (0, 0)
 
 
 def test_scorer_rejects_bad_arguments():
     with pytest.raises(ValueError, match="rollout.reward_timeout_s"):
         RewardScorer("exact_match", timeout_s=0)
-    with pytest.raises(ValueError, match="algorithm.reward"):
+    with pytest.raises(ValueError, match="unknown reward"):
         RewardScorer("nope", timeout_s=1)
-    with RewardScorer("exact_match", timeout_s=1) as scorer, pytest.raises(ValueError, match="answer"):
-        scorer.score(["1", "2"], ["1"])
+    with RewardScorer("exact_match", timeout_s=1) as scorer, pytest.raises(ValueError, match="one task per"):
+        scorer.score([trajectory("1"), trajectory("2")], [Task(0, "q", "1")])
 
 
-def test_raising_reward_scores_zero_counts_and_logs_once(registered, caplog):
-    def picky(response: str, answer: str) -> float:
-        if response == "bad":
-            raise RuntimeError(f"cannot score {response!r}")
-        return 1.0
+def uses_the_whole_trajectory(trajectory, task):
+    """A user reward reading the trajectory's turns and the task's own column."""
+    return float(trajectory.turns == task.row["turns_wanted"])
 
-    registered("test_picky", picky)
-    with RewardScorer("test_picky", timeout_s=5) as scorer, caplog.at_level(logging.WARNING):
-        assert scorer.score(["ok", "bad", "ok", "bad"], ["a"] * 4) == [1.0, 0.0, 1.0, 0.0]
+
+def batch_length_judge(trajectories, tasks):
+    """A batch reward: ranks the batch (a judge would see all of it at once)."""
+    longest = max(len(t.response) for t in trajectories)
+    return [float(len(t.response) == longest) for t in trajectories]
+
+
+async def async_judge(trajectory, task):
+    import asyncio
+
+    await asyncio.sleep(0.01)  # an HTTP call to a judge, say
+    if trajectory.response == "slow":
+        await asyncio.sleep(30)
+    return 1.0 if trajectory.response == task.answer else 0.5
+
+
+def test_user_rewards_see_the_trajectory_and_the_row_in_every_form():
+    tasks = [Task(0, "q", "a", row={"turns_wanted": 2}), Task(1, "q", "b", row={"turns_wanted": 3})]
+    runs = [Experience([], [], [], 0, turns=2, response="a"), Experience([], [], [], 0, turns=2, response="bbb")]
+    with RewardScorer(me("uses_the_whole_trajectory"), timeout_s=5) as scorer:
+        assert scorer.score(runs, tasks) == [1.0, 0.0]
+    with RewardScorer(me("batch_length_judge"), timeout_s=5) as scorer:
+        assert scorer.batch and scorer.score(runs, tasks) == [0.0, 1.0]
+    with RewardScorer(me("async_judge"), timeout_s=0.5) as scorer:
+        assert scorer.is_async and scorer.score(runs, tasks) == [1.0, 0.5]
+        start = time.monotonic()
+        assert scored(scorer, ["a", "slow"], ["a", "a"]) == [1.0, 0.0]  # the slow one timed out alone
+        assert time.monotonic() - start < 5 and (scorer.timeouts, scorer.errors) == (1, 0)
+
+
+def picky(trajectory, task) -> float:
+    if trajectory.response == "bad":
+        raise RuntimeError(f"cannot score {trajectory.response!r}")
+    return 1.0
+
+
+def test_raising_reward_scores_zero_counts_and_logs_once(caplog):
+    with RewardScorer(me("picky"), timeout_s=5) as scorer, caplog.at_level(logging.WARNING):
+        assert scored(scorer, ["ok", "bad", "ok", "bad"], ["a"] * 4) == [1.0, 0.0, 1.0, 0.0]
         assert (scorer.errors, scorer.timeouts) == (2, 0)
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
     assert "RuntimeError" in warnings[0] and "cannot score 'bad'" in warnings[0]
 
 
-def test_non_finite_reward_counts_as_error(registered):
-    registered("test_nan", lambda response, answer: float("nan"))
-    with RewardScorer("test_nan", timeout_s=5) as scorer:
-        assert scorer.score(["x"], ["y"]) == [0.0]
+def not_a_number(trajectory, task):
+    return float("nan")
+
+
+def test_non_finite_reward_counts_as_error():
+    with RewardScorer(me("not_a_number"), timeout_s=5) as scorer:
+        assert scored(scorer, ["x"], ["y"]) == [0.0]
         assert scorer.errors == 1
 
 
-def test_sleeping_reward_times_out_quickly_and_scoring_goes_on(registered, caplog):
-    def sleepy(response: str, answer: str) -> float:
-        if response == "slow":
-            time.sleep(30)
-        return 1.0
+def sleepy(trajectory, task) -> float:
+    if trajectory.response == "slow":
+        time.sleep(30)
+    return 1.0
 
-    registered("test_sleepy", sleepy)
-    with RewardScorer("test_sleepy", timeout_s=0.2) as scorer, caplog.at_level(logging.WARNING):
+
+def test_sleeping_reward_times_out_quickly_and_scoring_goes_on(caplog):
+    with RewardScorer(me("sleepy"), timeout_s=0.2) as scorer, caplog.at_level(logging.WARNING):
         start = time.monotonic()
-        scores = scorer.score(["fast", "slow", "fast", "slow"], ["a"] * 4)
+        scores = scored(scorer, ["fast", "slow", "fast", "slow"], ["a"] * 4)
         elapsed = time.monotonic() - start
         assert scores == [1.0, 0.0, 1.0, 0.0]
         assert (scorer.errors, scorer.timeouts) == (0, 2)
@@ -168,20 +208,20 @@ def test_gil_holding_math_verify_input_cannot_hang_the_scorer():
     # never regain control. The child process is killed instead.
     with RewardScorer("math_verify", timeout_s=2.0) as scorer:
         start = time.monotonic()
-        scores = scorer.score(["\\boxed{9^{9^{9^{9}}}}", "\\boxed{72}"], [GSM8K_GOLD] * 2)
+        scores = scored(scorer, ["\\boxed{9^{9^{9^{9}}}}", "\\boxed{72}"], [GSM8K_GOLD] * 2)
         elapsed = time.monotonic() - start
         assert scores == [0.0, 1.0]
         assert (scorer.errors, scorer.timeouts) == (0, 1)
     assert elapsed < 10.0
 
 
-def test_reward_that_kills_its_process_counts_as_error_and_scoring_goes_on(registered):
-    def crashy(response: str, answer: str) -> float:
-        if response == "crash":
-            os._exit(3)
-        return 1.0
+def crashy(trajectory, task) -> float:
+    if trajectory.response == "crash":
+        os._exit(3)
+    return 1.0
 
-    registered("test_crashy", crashy)
-    with RewardScorer("test_crashy", timeout_s=5) as scorer:
-        assert scorer.score(["crash", "fine"], ["a", "a"]) == [0.0, 1.0]
+
+def test_reward_that_kills_its_process_counts_as_error_and_scoring_goes_on():
+    with RewardScorer(me("crashy"), timeout_s=5) as scorer:
+        assert scored(scorer, ["crash", "fine"], ["a", "a"]) == [0.0, 1.0]
         assert (scorer.errors, scorer.timeouts) == (1, 0)

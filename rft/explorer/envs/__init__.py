@@ -1,0 +1,107 @@
+"""Environments a multi-turn workflow plays against, in Gymnasium's shape.
+
+An environment is a `gymnasium.Env` whose observations and actions are text:
+
+    reset(seed=None, options={"task": task}) -> (observation: str, info: dict)
+    step(action: str) -> (observation: str, reward: float, terminated: bool, truncated: bool, info: dict)
+
+`options["task"]` is the rft Task (its `row` holds every column of the taskset row). So an existing
+Gymnasium text environment is used as it is (`rollout.env=my_pkg.envs.MyEnv`), and a new one is a
+small class. `rollout.env` takes a built-in name or a dotted path to the class; `rollout.env_args`
+are its constructor's keyword arguments. Every trajectory gets its own instance (`close()` is
+called when it ends).
+
+Conventions rft reads from `info` (all optional):
+    role        the role of the next observation's message ("user" by default, "tool" for tool output)
+    tool_calls  how many tool calls this step made (summed into the experience's `tool_calls`)
+    answer      on the last step: the text the run's reward function (algorithm.reward) scores;
+                without it the trajectory's reward is the sum of the step rewards
+    metrics     on the last step: numbers to log per trajectory (e.g. {"success": 1.0})
+
+Class attributes rft reads (optional):
+    required_columns   taskset columns every row must have (rows without them are skipped, counted)
+    sample_tasks(n, seed) -> list[dict]   a staticmethod that writes a taskset (`data.from_env`)
+
+Sync environments run in a worker thread (`asyncio.to_thread`) so one slow step does not stop the
+other trajectories; an environment may also define `async def reset/step`.
+
+Built-ins: `grid_world` (rft/explorer/envs/grid_world.py), `calculator` (tool use in a sandboxed
+Python subprocess, rft/explorer/envs/calculator.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import os
+from typing import Any
+
+from rft.registry import Registry
+
+ENVIRONMENTS = Registry("environment", params=("reset", "step"), is_class=True)
+
+
+async def reset(env: Any, task: Any, seed: int | None) -> tuple[str, dict]:
+    """`env.reset(seed=seed, options={"task": task})`, awaited or run in a worker thread."""
+    call = env.reset
+    if inspect.iscoroutinefunction(call):
+        out = await call(seed=seed, options={"task": task})
+    else:
+        out = await asyncio.to_thread(call, seed=seed, options={"task": task})
+    observation, info = out
+    return str(observation), dict(info or {})
+
+
+async def step(env: Any, action: str) -> tuple[str, float, bool, bool, dict]:
+    """`env.step(action)`, awaited or run in a worker thread; checked to be Gymnasium's 5-tuple."""
+    call = env.step
+    out = await call(action) if inspect.iscoroutinefunction(call) else await asyncio.to_thread(call, action)
+    if not isinstance(out, tuple) or len(out) != 5:
+        raise TypeError(f"{type(env).__name__}.step returned {type(out).__name__} of length "
+                        f"{len(out) if isinstance(out, tuple) else '?'}; expected Gymnasium's "
+                        "(observation, reward, terminated, truncated, info)")
+    observation, reward, terminated, truncated, info = out
+    return str(observation), float(reward), bool(terminated), bool(truncated), dict(info or {})
+
+
+def make_env(spec: str, args: dict[str, Any]) -> Any:
+    """An instance of the environment `spec` (name or dotted path) built with `args`."""
+    cls = ENVIRONMENTS.resolve(spec)
+    try:
+        return cls(**args)
+    except TypeError as err:
+        raise ValueError(f"rollout.env={spec!r}: rollout.env_args={args!r} do not fit its constructor "
+                         f"({err})") from None
+
+
+def required_columns(spec: str | None) -> tuple[str, ...]:
+    """The taskset columns the environment `spec` needs in every row."""
+    if spec is None:
+        return ()
+    return tuple(getattr(ENVIRONMENTS.resolve(spec), "required_columns", ()))
+
+
+def write_env_tasksets(spec: str, generate, train_path: str, eval_path: str | None, seed: int) -> None:
+    """data.from_env (rft.config.EnvTasksConfig): the environment's own `sample_tasks` (train and a
+    disjoint eval set) or `sample_demos` (conversations for SFT, train only), written as jsonl."""
+    cls = ENVIRONMENTS.resolve(spec)
+    if generate.kind == "demos":
+        files = [(train_path, cls.sample_demos(generate.num_train, seed, **generate.args))]
+    else:
+        rows = cls.sample_tasks(generate.num_train + generate.num_eval, seed, **generate.args)
+        files = [(train_path, rows[: generate.num_train])]
+        if eval_path is not None:
+            files.append((eval_path, rows[generate.num_train:]))
+    for path, rows in files:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+        os.replace(path + ".tmp", path)
+
+
+def _register_builtins() -> None:
+    from rft.explorer.envs import calculator, grid_world  # noqa: F401  (they register themselves)
+
+
+_register_builtins()

@@ -1,0 +1,135 @@
+"""What a workflow talks to: the policy being trained, served by vLLM's async engine.
+
+    completion = await model.chat([{"role": "user", "content": "2+3="}])   # one call
+    completion = await model.generate(token_ids)                           # ids in, ids out
+    convo = model.conversation([{"role": "user", "content": question}])    # a trajectory
+    turn = await convo.reply()              # sampled ids appended, loss_mask 1
+    convo.add({"role": "tool", "content": "= 42"})   # ids appended, loss_mask 0
+    return convo.experience(reward=1.0)
+
+Every call returns the token ids vLLM sampled and their logprobs. A conversation only ever
+appends ids (rft/explorer/chat_format.py), so the trainer scores exactly what vLLM sampled, and
+a conversation stays on one engine (its prefix cache holds the conversation so far).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from rft.buffer.experience import Experience
+from rft.explorer.chat_format import ChatFormat, Message
+from rft.explorer.vllm_engine import Completion, RolloutEngine
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How the policy samples (rollout.temperature, top_p, max_new_tokens, stop); a workflow may
+    override any of them per call, e.g. `await convo.reply(max_new_tokens=16)`."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop: tuple[str, ...] = ()
+
+
+class ModelClient:
+    """The policy for one trajectory: sampling settings, a seed and one engine (sticky).
+
+    Seeds: request k of this client samples with `seed + k`, so a trajectory is reproducible
+    and no two requests of a step share a random stream.
+    """
+
+    def __init__(self, engine: RolloutEngine, fmt: ChatFormat, sampling: Sampling, seed: int):
+        self.engine, self.format, self.sampling, self.seed = engine, fmt, sampling, seed
+        self.requests = 0
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def context(self) -> int:
+        """Tokens of prompt + response the engine accepts (model.max_seq_len, capped by the model)."""
+        return self.engine.max_model_len
+
+    async def generate(self, token_ids: list[int], n: int = 1, **overrides) -> list[Completion] | Completion:
+        """Sample a continuation of `token_ids` (one Completion; a list of `n` when n > 1). With no
+        room left in the context the completion is empty, finish_reason "context"."""
+        from vllm import SamplingParams
+
+        s = replace(self.sampling, **overrides) if overrides else self.sampling
+        room = self.context - len(token_ids)
+        if room < 1:
+            empty = Completion(token_ids=[], logprobs=[], text="", finish_reason="context")
+            return [empty] * n if n > 1 else empty
+        params = SamplingParams(n=n, max_tokens=min(s.max_new_tokens, room), temperature=s.temperature,
+                                top_p=s.top_p, stop=list(s.stop) or None, seed=self.seed + self.requests)
+        self.requests += 1
+        completions = await self.engine.generate(token_ids, params)
+        return completions if n > 1 else completions[0]
+
+    async def chat(self, messages: list[Message], **overrides) -> Completion:
+        """One reply to `messages` (rendered with the model's chat format)."""
+        return await self.generate(self.format.prompt_ids(messages), **overrides)
+
+    def conversation(self, messages: list[Message]) -> Conversation:
+        """Start a trajectory from `messages` (the prompt: never trained)."""
+        return Conversation(self, messages)
+
+
+class Conversation:
+    """A trajectory being built: token ids with their loss mask and logprobs.
+
+    `reply()` appends what the model samples (mask 1, vLLM's logprobs); `add()` appends messages
+    the model did not write (mask 0). `turns` counts model turns; `messages` keeps the text of
+    the conversation for rewards and logs.
+    """
+
+    def __init__(self, client: ModelClient, messages: list[Message]):
+        self.client = client
+        self.messages: list[Message] = list(messages)
+        self.token_ids = client.format.prompt_ids(self.messages)
+        self.prompt_length = len(self.token_ids)
+        self.loss_mask = [0] * self.prompt_length
+        self.logprobs = [0.0] * self.prompt_length
+        self.turns = 0
+        self.last: Completion | None = None
+        self.finish_reason = ""
+
+    @property
+    def room(self) -> int:
+        """Tokens left in the model's context."""
+        return self.client.context - len(self.token_ids)
+
+    async def reply(self, **overrides) -> Completion:
+        """Sample the model's next turn and append it. An empty completion (finish_reason
+        "context") means the context is full: end the trajectory."""
+        turn = await self.client.generate(self.token_ids, **overrides)
+        self.token_ids += turn.token_ids
+        self.loss_mask += [1] * len(turn.token_ids)
+        self.logprobs += turn.logprobs
+        self.messages.append({"role": "assistant", "content": turn.text})
+        self.turns += bool(turn.token_ids)
+        self.last, self.finish_reason = turn, turn.finish_reason
+        return turn
+
+    def add(self, *messages: Message) -> None:
+        """Append messages the model did not write (tool results, observations), and the cue for
+        its next turn. They are never trained (loss_mask 0). What does not fit in the context is
+        cut off (finish_reason "context"; `room` is then 0 and the next reply is empty)."""
+        ids = self.client.format.append_ids(list(messages), self.last.token_ids if self.last else [])
+        if len(ids) > self.room:  # never longer than the context: the trainer's memory bound holds
+            ids, self.finish_reason = ids[: max(self.room, 0)], "context"
+        self.token_ids += ids
+        self.loss_mask += [0] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.messages += messages
+
+    def experience(self, reward: float | None = None, **fields) -> Experience:
+        """The trajectory as an experience record; `reward=None` leaves scoring to algorithm.reward.
+        `fields`: other Experience fields (tool_calls, metrics, response, finish_reason, ...)."""
+        fields.setdefault("response", self.last.text if self.last else "")
+        fields.setdefault("finish_reason", self.finish_reason)
+        return Experience(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask),
+                          logprobs=list(self.logprobs), prompt_length=self.prompt_length, reward=reward,
+                          turns=self.turns, **fields)

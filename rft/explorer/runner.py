@@ -1,0 +1,154 @@
+"""Running a workflow over a batch of tasks: many trajectories in flight, each bounded in time,
+retried when it fails, scored, and accounted for.
+
+    for each task i, sample k (concurrently, at most rollout.max_concurrent_tasks at once):
+        for try in 1 .. 1 + rollout.max_retries:
+            experiences = await workflow(task, model, ctx) within rollout.task_timeout_s
+            if it returned: score what has no reward (algorithm.reward); done
+        after the last try: <run>/buffer/failed.jsonl gets the task, the error and its traceback
+
+A workflow waiting on a tool or an environment holds only its own slot; the engine serves the
+others meanwhile. A failed sample leaves its group one short (groups may be ragged); a task whose
+every sample failed leaves no group at all. Nothing is dropped without a line in failed.jsonl.
+A trajectory stays on the engine it started on (its prefix cache holds the conversation); new
+trajectories go to the engine with the fewest requests in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import time
+import traceback
+from dataclasses import dataclass
+
+from rft.buffer.experience import Experience
+from rft.buffer.taskset import Task
+from rft.config import RolloutConfig
+from rft.explorer.chat_format import chat_format
+from rft.explorer.model_client import ModelClient, Sampling
+from rft.explorer.rewards import RewardScorer
+from rft.explorer.vllm_engine import RolloutEngine
+from rft.explorer.workflows import WORKFLOWS, WorkflowContext
+
+
+def _engine_failures() -> tuple[type[BaseException], ...]:
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    return (EngineDeadError,)
+
+
+ENGINE_FAILURES = _engine_failures()
+
+
+@dataclass
+class Outcome:
+    """What one batch produced, and what it cost."""
+
+    experiences: list[Experience]
+    samples: int  # workflow calls asked for (tasks x samples per task)
+    failed: int = 0  # samples that failed every try (each has a line in failed.jsonl)
+    retries: int = 0  # tries after a failed first one
+    timeouts: int = 0  # tries cancelled by rollout.task_timeout_s
+    reward_errors: int = 0  # samples whose reward raised or timed out (scored 0.0)
+
+
+def sample_seed(*key: object) -> int:
+    """A 48-bit seed from any key (run seed, step, round, task, sample): reproducible across runs
+    and processes (Python's hash() is salted per process), and unrelated for neighbouring keys."""
+    return int.from_bytes(hashlib.blake2b(repr(key).encode(), digest_size=6).digest(), "big")
+
+
+class WorkflowRunner:
+    """Runs `rollout.workflow` for batches of tasks on `engines` (all on one event loop)."""
+
+    def __init__(self, engines: list[RolloutEngine], rollout: RolloutConfig, reward: str, chat_template: bool,
+                 failed_path: str):
+        self.engines, self.rollout, self.failed_path = engines, rollout, failed_path
+        self.workflow = WORKFLOWS.resolve(rollout.workflow)
+        self.scorer = RewardScorer(reward, rollout.reward_timeout_s)
+        self.format = chat_format(engines[0].tokenizer, chat_template)
+
+    def run(self, tasks: list[Task], samples: int, sampling: Sampling, seed_key: tuple, group_prefix: str,
+            evaluation: bool = False) -> Outcome:
+        """`samples` trajectories of each task; group i (task i) is named `<group_prefix>:<i>`.
+        Blocks until every sample succeeded or failed for good."""
+        return self.engines[0].run(self._run(tasks, samples, sampling, seed_key, group_prefix, evaluation))
+
+    async def _run(self, tasks: list[Task], samples: int, sampling: Sampling, seed_key: tuple,
+                   group_prefix: str, evaluation: bool) -> Outcome:
+        outcome = Outcome(experiences=[], samples=len(tasks) * samples)
+        errors_before = self.scorer.errors + self.scorer.timeouts
+        slots = asyncio.Semaphore(self.rollout.max_concurrent_tasks)
+        runs = [self._sample(task, f"{group_prefix}:{i}", k, sampling, sample_seed(*seed_key, i, k), evaluation,
+                             slots, outcome)
+                for i, task in enumerate(tasks) for k in range(samples)]
+        for experiences in await asyncio.gather(*runs):
+            outcome.experiences += experiences
+        outcome.reward_errors = self.scorer.errors + self.scorer.timeouts - errors_before
+        return outcome
+
+    async def _sample(self, task: Task, group_id: str, k: int, sampling: Sampling, seed: int, evaluation: bool,
+                      slots: asyncio.Semaphore, outcome: Outcome) -> list[Experience]:
+        tries = 1 + self.rollout.max_retries
+        for attempt in range(tries):
+            engine = min(self.engines, key=lambda e: e.in_flight)  # sticky for the whole trajectory
+            model = ModelClient(engine, self.format, sampling, seed + 1000 * attempt)
+            ctx = WorkflowContext(sample=k, seed=seed, evaluation=evaluation, max_turns=self.rollout.max_turns,
+                                  env=self.rollout.env, env_args=dict(self.rollout.env_args))
+            try:
+                async with slots:
+                    returned = await asyncio.wait_for(self.workflow(task, model, ctx), self.rollout.task_timeout_s)
+                experiences = self._checked(returned)
+            except ENGINE_FAILURES:
+                raise  # not the task's fault: the rank stops, naming the engine (rft/explorer/explorer.py)
+            except asyncio.TimeoutError:
+                outcome.timeouts += 1
+                error, trace = (f"timed out after {self.rollout.task_timeout_s:g} s (rollout.task_timeout_s)",
+                                "")
+            except Exception as exc:  # the workflow's, its environment's or its tool's failure
+                error, trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
+            else:
+                await self._score(experiences, task)
+                for exp in experiences:
+                    exp.group_id, exp.trajectory_id = group_id, f"{group_id}:{k}"
+                    exp.task_id, exp.version = task.task_id, engine.version
+                return experiences
+            if attempt + 1 < tries:
+                outcome.retries += 1
+        outcome.failed += 1
+        self._record_failure(task, group_id, k, tries, error, trace, evaluation)
+        return []
+
+    @staticmethod
+    def _checked(returned: object) -> list[Experience]:
+        experiences = [returned] if isinstance(returned, Experience) else returned
+        if not isinstance(experiences, list) or not experiences \
+                or not all(isinstance(e, Experience) for e in experiences):
+            raise TypeError(f"the workflow returned {type(returned).__name__}; it must return an Experience or a "
+                            "non-empty list of them (rft/buffer/experience.py)")
+        for exp in experiences:
+            exp.check()
+        return experiences
+
+    async def _score(self, experiences: list[Experience], task: Task) -> None:
+        """algorithm.reward for experiences the workflow left unscored. Several from one call
+        (step_wise: the steps of one trajectory) share the score of the last one, the trajectory's end."""
+        unscored = [e for e in experiences if e.reward is None]
+        if unscored:
+            (reward,) = await self.scorer.score_async([unscored[-1]], [task])
+            for exp in unscored:
+                exp.reward = reward
+
+    def _record_failure(self, task: Task, group_id: str, k: int, tries: int, error: str, trace: str,
+                        evaluation: bool) -> None:
+        os.makedirs(os.path.dirname(self.failed_path), exist_ok=True)
+        row = {"time": time.time(), "task_id": task.task_id, "task_index": task.index, "group_id": group_id,
+               "sample": k, "tries": tries, "evaluation": evaluation, "error": error, "traceback": trace}
+        with open(self.failed_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def close(self) -> None:
+        self.scorer.close()

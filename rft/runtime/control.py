@@ -1,0 +1,153 @@
+"""The plumbing around a rank's loop, so the loop itself reads as the algorithm:
+
+    runtime = Runtime(cfg, info, group, stop, resume, "trainer0")
+    for stage in runtime.stages():                   # a resumed run re-enters where it saved
+        for step in stage.steps():                   # step.resumed: done before the checkpoint
+            ... the algorithm: scalars of the step ...
+            for point in stage.control_points(step): # the trainer steps this step meets
+                point.meet(scalars)                  # vote: stop? save? -> every rank saves alike
+                if point.publishes: ... weight sync ...
+            runtime.log(stage, step, scalars)
+    return runtime.finish({...})
+
+A control point is where every rank of the job meets once per trainer step (rft/preemption.py's
+ControlGroup): they vote whether Slurm asked them to stop (SIGUSR2) and whether a checkpoint is
+due (trainer.save_every_min, trainer.save_interval); if so, every rank saves its tracked state
+(rft/runtime/state.py) for the same step, and on a stop rank 0 requeues the job. The trainer
+meets its own steps; the explorer meets the trainer steps its step pairs with (rft/schedule.py).
+A checkpoint holds each rank's step up to its control point; the weight sync after it is the
+first thing a resumed run does (`point.publishes` is then always true).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from rft.checkpoint import Resume, SaveClock
+from rft.cluster import RankInfo
+from rft.config import RFTConfig, stage_configs
+from rft.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
+from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
+from rft.runtime.state import Progress, RankState
+from rft.schedule import paired_trainer_steps, publishes_after
+
+
+@dataclass
+class Step:
+    index: int  # step of the stage, 0-based
+    global_step: int  # steps done over all stages once this one is (what logs and checkpoints count)
+    resumed: bool = False  # done before the checkpoint this run resumed from: only its sync is left
+    pending: dict[str, float] = field(default_factory=dict)  # its scalars then
+
+
+class Runtime:
+    """One rank's position, checkpoints, votes and logs (see the module docstring)."""
+
+    def __init__(self, cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None,
+                 rank_name: str, monitor: bool = True):
+        self.cfg, self.info, self.group, self.stop = cfg, info, group, stop
+        self.state = RankState(cfg.run.output_dir, info.rank, resume)
+        self.progress = self.state.track("progress", Progress())
+        self.resumed_at = self.progress.global_step if self.state.resuming else None
+        self.monitor = Monitor(cfg.run.output_dir, rank_name, self.resumed_at) if monitor else None
+        self.clock = SaveClock(cfg.trainer.save_every_min)
+        self.save_hooks: list[Callable[[int], None]] = []  # with every checkpoint, on every rank (HF export)
+        self.saved_hooks: list[Callable[[int], None]] = []  # once every rank has saved (pruning)
+
+    def stages(self) -> Iterator[Stage]:
+        """The run's stages from where this rank resumes; the checkpoint's stage is re-entered at
+        its step, later stages start fresh (stage components restore only in the first one)."""
+        start = 0
+        for index, (name, cfg) in enumerate(stage_configs(self.cfg)):
+            resumed = self.state.resuming and index == self.progress.stage_index
+            if not self.state.resuming or index >= self.progress.stage_index:
+                yield Stage(self, index, name, cfg, start, resumed)
+                self.state.resumed()
+            start += cfg.trainer.max_steps
+
+    @contextmanager
+    def timed(self, key: str) -> Iterator[None]:
+        """Add the seconds spent inside to the run's total `key`."""
+        start = time.time()
+        yield
+        self.progress.add(**{key: time.time() - start})
+
+    def log(self, stage: Stage, step: int, scalars: dict[str, float]) -> None:
+        if self.monitor is not None and scalars:
+            self.monitor.log(step, scalars, stage.name)
+
+    def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float]) -> None:
+        """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote."""
+        p = self.progress
+        p.global_step, p.stage_index, p.step, p.voted, p.pending = step.global_step, stage.index, step.index, voted, scalars
+        self.state.save(done)
+        for hook in self.save_hooks:
+            hook(done)
+        self.group.any(False)  # every rank's file is written: the checkpoint is complete
+        for hook in self.saved_hooks:
+            hook(done)
+        self.clock.saved()
+
+    def finish(self, summary: dict) -> dict:
+        """Close the logs and write this rank's summary (rft/report.py reads it)."""
+        if self.monitor is not None:
+            self.monitor.close()
+        out = {"rank": self.info.rank, "steps": self.progress.global_step, "wall_s": self.progress.elapsed_s,
+               "skipped_rows": self.progress.rows, "peak_rss_gb": peak_rss_gb(), **self.progress.totals, **summary}
+        write_json_atomic(rank_summary_path(self.cfg.run.output_dir, self.info.rank), out)
+        return out
+
+
+class Stage:
+    """One stage of the run as this rank goes through it."""
+
+    def __init__(self, runtime: Runtime, index: int, name: str, cfg: RFTConfig, start: int, resumed: bool):
+        self.runtime, self.index, self.name, self.cfg = runtime, index, name, cfg
+        self.start = start  # global steps of the stages before
+        self.resumed = resumed  # re-entered from a checkpoint taken in this stage
+        progress = runtime.progress
+        self.first_step = progress.step if resumed else 0
+        self._voted, self._pending = (progress.voted, progress.pending) if resumed else (0, {})
+
+    def steps(self) -> Iterator[Step]:
+        for index in range(self.first_step, self.cfg.trainer.max_steps):
+            resumed = self.resumed and index == self.first_step
+            self.runtime.progress.global_step = self.start + index + 1
+            yield Step(index, self.start + index + 1, resumed, dict(self._pending) if resumed else {})
+
+    def control_points(self, step: Step, role: str) -> list[ControlPoint]:
+        """The trainer steps `step` meets: the trainer its own; the explorer those paired with it
+        (rft/schedule.py). A resumed step has met them up to the one its checkpoint came from."""
+        steps = [step.index] if role == "trainer" else paired_trainer_steps(self.runtime.cfg, self.cfg, step.index)
+        if step.resumed:
+            steps = [t for t in steps if t >= self._voted]
+        return [ControlPoint(self, step, t, met=step.resumed and t == self._voted) for t in steps]
+
+
+class ControlPoint:
+    """Trainer step `t`'s meeting of every rank (see the module docstring)."""
+
+    def __init__(self, stage: Stage, step: Step, t: int, met: bool):
+        self.stage, self.step, self.t, self.met = stage, step, t, met
+        runtime = stage.runtime
+        # after a resume the restarted explorer holds the initial weights: always send them
+        self.publishes = publishes_after(runtime.cfg, stage.cfg, stage.start, t, resumed=met)
+
+    def meet(self, scalars: dict[str, float]) -> None:
+        """Vote; if a checkpoint is due every rank saves (with `scalars`, the step's pending log
+        line); if Slurm asked to stop, then requeue or stop. Met already if resumed here."""
+        if self.met:
+            return
+        runtime, cfg = self.stage.runtime, self.stage.runtime.cfg
+        stopping, save_due = runtime.group.vote(runtime.stop.requested, runtime.clock.due())
+        done = self.stage.start + self.t + 1  # trainer steps done: what the checkpoint is named by
+        if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
+            runtime.save(done, self.stage, self.step, self.t, scalars)
+            if stopping:
+                if runtime.monitor is not None:
+                    runtime.monitor.close()
+                requeue_or_stop(runtime.group, runtime.stop, cfg.run.output_dir, done, cfg.cluster.max_requeues)
+

@@ -1,0 +1,97 @@
+"""Where a trainer step's rows come from: experience shards (RL) or a dataset (SFT, DPO)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from rft.buffer.experience import from_table
+from rft.buffer.shards import ExperienceBuffer
+from rft.buffer.taskset import Task, TaskCursor
+from rft.cluster import RankInfo
+from rft.explorer.chat_format import chat_format, conversation_ids
+from rft.explorer.prompts import format_prompt, reference_response
+from rft.trainer.train_step import StepBatch
+
+
+def experience_batch(table) -> tuple[StepBatch, dict[str, float]]:
+    """A policy-gradient batch (advantages are computed in the step) from a shard's experience
+    rows, and reward/length statistics."""
+    experiences = from_table(table)
+    batch = StepBatch.from_experiences(experiences)
+    rewards = torch.tensor(batch.rewards, dtype=torch.float32)
+    lengths = torch.tensor([e.sampled_tokens for e in experiences], dtype=torch.float32)
+    stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,
+             "response_length/mean": float(lengths.mean())}
+    return batch, stats
+
+
+class DatasetBatches:
+    """SFT rows (prompt + reference answer, or a whole conversation in `data.messages_key`) or DPO
+    pairs, drawn by a resumable cursor."""
+
+    def __init__(self, cursor: TaskCursor, tokenizer, chat_template: bool, messages_key: str):
+        self.cursor, self.tokenizer, self.chat_template = cursor, tokenizer, chat_template
+        self.messages_key = messages_key
+        self.format = chat_format(tokenizer, chat_template)
+
+    def prompt_ids(self, task: Task) -> list[int]:
+        return self.tokenizer(format_prompt(task, self.tokenizer, self.chat_template), add_special_tokens=False).input_ids
+
+    def sft(self, n: int) -> StepBatch:
+        prompts, responses, masks = [], [], []
+        for task in self.cursor.next_batch(n):
+            messages = task.row.get(self.messages_key)
+            if messages is not None:  # a conversation: every assistant turn is trained
+                ids, mask, cut = conversation_ids(self.format, self.tokenizer, messages)
+                prompt, response, response_mask = ids[:cut], ids[cut:], mask[cut:]
+            else:
+                prompt, response = self.prompt_ids(task), reference_response(task.answer, self.tokenizer)
+                response_mask = [1] * len(response)
+            prompts.append(prompt)
+            responses.append(response)
+            masks.append(response_mask)
+        return StepBatch(prompt_ids=prompts, response_ids=responses, response_mask=masks)
+
+    def preferences(self, n: int) -> StepBatch:
+        """`n` pairs as rows 2i (prompt + chosen) and 2i+1 (prompt + rejected), for DPO."""
+        prompts, responses = [], []
+        for task in self.cursor.next_batch(n):
+            prompt = self.prompt_ids(task)
+            prompts += [prompt, prompt]
+            responses += [reference_response(task.answer, self.tokenizer),
+                          reference_response(task.rejected, self.tokenizer)]
+        return StepBatch(prompt_ids=prompts, response_ids=responses)
+
+
+class ExperienceReader:
+    """Trainer rank 0 claims each shard; every trainer rank gets its table (TP/DP split the rows).
+
+    One claim per step, not one per rank: the explorer writes one shard per step.
+    """
+
+    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float):
+        self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
+        self.claim = None
+
+    def next_table(self) -> tuple[object, float, float]:
+        """(table, seconds waited for the shard to appear, seconds of buffer I/O)."""
+        start = time.time()
+        payload = [None]
+        if self.info.rank == 0:
+            self.claim = self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)
+            payload = [self.claim.table]
+        if self.info.trainer_ranks > 1:
+            dist.broadcast_object_list(payload, src=0)
+        waited = self.claim.waited_s if self.claim else 0.0
+        return payload[0], waited, time.time() - start - waited
+
+    def commit(self, stale: bool = False) -> float:
+        """Mark the step's shard consumed, or with `stale` set it aside untrained."""
+        start = time.time()
+        if self.claim is not None:
+            (self.buffer.set_aside_stale if stale else self.buffer.commit)(self.claim)
+            self.claim = None
+        return time.time() - start

@@ -1,0 +1,68 @@
+"""Sending the trainer's weights to the rollout engines (and exporting them as HF checkpoints)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from rft.cluster import RankInfo, sync_layout
+from rft.config import RFTConfig, wire_dtype
+from rft.weights.convert import export_hf_weights, hf_table
+from rft.weights.engines import CheckpointSender, make_sender
+
+
+class WeightPublisher:
+    """Sends HF-named weights to the rollout workers, one sender per pipeline stage.
+
+    DP replica 0's TP ranks of each stage gather in lockstep; the stage's TP rank 0 sends.
+    `version` (trainer steps done when the weights were sent) is saved with checkpoints.
+    """
+
+    def __init__(self, cfg: RFTConfig, info: RankInfo, geo):
+        from megatron.core import parallel_state as ps
+
+        on_gpu = torch.cuda.is_available()
+        layout = sync_layout(cfg, info, on_gpu)
+        stage = ps.get_pipeline_model_parallel_rank()
+        self.geo, self.version = geo, 0
+        self.exports = ps.get_data_parallel_rank() == 0
+        self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
+        self.sender = None
+        self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
+        if info.rank == layout.sender_ranks[stage]:
+            assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
+            self.sender = make_sender(layout, stage, cfg.model.path)
+
+    def publish(self, model, version: int) -> int:
+        """Send the weights as `version` (trainer steps done); returns payload bytes sent by this rank."""
+        self.version = version
+        if not self.exports:
+            return 0
+        tensors = export_hf_weights(model, self.geo)
+        if self.sender is None:
+            for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
+                pass
+            return 0
+        return self.sender.send(hf_table(model, self.geo, self.wire), tensors, self.version)
+
+    def export_hf(self, model, step: int, root: str) -> None:
+        """Write the current weights as an HF checkpoint `<root>/v<step>` (the checkpoint engine's
+        writer; every export kept): what mode=bench evaluates."""
+        if not self.exports:
+            return
+        tensors = export_hf_weights(model, self.geo)
+        if self.sender is None:
+            for _ in tensors:  # TP all-gathers: every TP rank iterates
+                pass
+            return
+        writer = CheckpointSender(replace(self.layout, checkpoint_dir=root), self.stage, self.model_path,
+                                  keep_versions=None)
+        writer.send(hf_table(model, self.geo, self.wire), tensors, step)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"version": self.version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version = state["version"]

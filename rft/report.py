@@ -242,9 +242,12 @@ def build_summary(run_dir: str, world_size: int) -> dict:
     stages: dict[str, dict] = {}
     for row in read_jsonl(eval_path(run_dir)):
         entry = stages.setdefault(row["stage"], {})
+        metrics = {k: v for k, v in row.get("metrics", {}).items() if k not in _BOOKKEEPING}
         if row["when"] == "start":
             entry.setdefault("start", row["accuracy"])
+            entry.setdefault("metrics_start", metrics)
         entry["end"] = row["accuracy"]
+        entry["metrics_end"] = metrics
     wall = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
     # The trainer's view covers the whole step; the explorer's parts happen while it waits.
     trainer_split = {part: trainer.get(part, 0.0) for part in ("train_s", "sync_s", "buffer_s", "wait_s")}
@@ -260,19 +263,46 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             "skipped_rows": {**trainer.get("skipped_rows", {}), **rollout.get("skipped_rows", {})},
             "peak_rss_gb": peak,  # the largest resident memory of the first rank of each role
             "reward_errors": rollout.get("reward_errors", 0),
+            "failed_samples": rollout.get("failed_samples", 0),
+            "failed_path": os.path.join(run_dir, "buffer", "failed.jsonl"),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
+
+
+# eval metrics the summary leaves out: counts of what went wrong are reported on their own
+_BOOKKEEPING = ("failed_samples", "retries", "timeouts", "reward_errors")
+
+
+def _eval_rows(entry: dict) -> list[tuple[str, float | None, float | None]]:
+    """(what, start, end) for a stage: accuracy (the mean reward), then the workflow's metrics
+    (success, ...) and turns or tool calls where an episode has more than one or any."""
+    rows = [("accuracy", entry.get("start"), entry.get("end"))]
+    first, last = entry.get("metrics_start", {}), entry.get("metrics_end", {})
+    for key in sorted(set(first) | set(last)):
+        values = [v for v in (first.get(key), last.get(key)) if v is not None]
+        if (key == "turns" and all(v == 1.0 for v in values)) or (key == "tool_calls" and not any(values)):
+            continue  # single-turn, no tools: nothing to say
+        rows.append((key.replace("_", " "), first.get(key), last.get(key)))
+    return rows
+
+
+def _fmt(value: float | None, fraction: bool) -> str:
+    return "-" if value is None else (f"{100 * value:.1f}%" if fraction else f"{value:.2f}")
 
 
 def print_summary(summary: dict) -> None:
     table = Table(title="rft run summary")
-    table.add_column("stage")
-    table.add_column("eval accuracy (start)", justify="right")
-    table.add_column("eval accuracy (end)", justify="right")
-    table.add_column("change", justify="right")
-    for name, acc in summary["stages"].items():
-        start, end = acc.get("start"), acc.get("end")
-        delta = "-" if start is None or end is None else f"{100 * (end - start):+.1f} pts"
-        table.add_row(name, _pct(start), _pct(end), delta)
+    for column in ("stage", "eval"):
+        table.add_column(column)
+    for column in ("start", "end", "change"):
+        table.add_column(column, justify="right")
+    for name, entry in summary["stages"].items():
+        for what, start, end in _eval_rows(entry):
+            known = [v for v in (start, end) if v is not None]
+            fraction = all(0.0 <= v <= 1.0 for v in known) and what not in ("turns", "tool calls", "shortest")
+            delta = "-" if start is None or end is None else \
+                (f"{100 * (end - start):+.1f} pts" if fraction else f"{end - start:+.2f}")
+            label = "reward" if what == "accuracy" and not fraction else what  # accuracy: rewards in [0, 1]
+            table.add_row(name, label, _fmt(start, fraction), _fmt(end, fraction), delta)
     console.print(table)
     split = Table(title=f"wall time {summary['wall_s']:.1f}s, {summary['steps']} steps")
     split.add_column("rank")
@@ -300,8 +330,6 @@ def print_summary(summary: dict) -> None:
                       f"{stale.get('reweighted', 0)} re-weighted")
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
-
-
-def _pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
+    if summary.get("failed_samples"):
+        console.print(f"[yellow]{summary['failed_samples']} workflow samples failed every try (rollout.max_retries); "
+                      f"each is in {summary.get('failed_path', 'buffer/failed.jsonl')} with its traceback", soft_wrap=True)

@@ -45,7 +45,8 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
                              loop=LoopThread())]  # one engine per rank for now
     stop.install()
     runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
-    runtime.progress.add(startup_s=time.time() - started)  # overlaps the trainer's first steps
+    runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
+                         reward_errors=0, failed_samples=0)  # startup overlaps the trainer's first steps
     explorer = Explorer(cfg, info, engines, runtime)
     for stage in runtime.stages():
         explorer.begin(stage)
@@ -112,7 +113,7 @@ class Explorer:
 
     def end(self) -> None:
         self.runner.close()
-        self.runtime.state.components.pop("cursor", None)
+        self.runtime.state.untrack("cursor")
 
     # ---- a step ------------------------------------------------------------------------------
 

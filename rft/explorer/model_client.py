@@ -14,6 +14,7 @@ a conversation stays on one engine (its prefix cache holds the conversation so f
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, replace
 
 from rft.buffer.experience import Experience
@@ -105,13 +106,29 @@ class Conversation:
         """Sample the model's next turn and append it. An empty completion (finish_reason
         "context") means the context is full: end the trajectory."""
         turn = await self.client.generate(self.token_ids, **overrides)
+        self._append(turn)
+        return turn
+
+    async def replies(self, n: int, **overrides) -> list[Conversation]:
+        """`n` continuations of this conversation, each one more model turn, sampled in one request
+        (vLLM processes the shared prefix once)."""
+        turns = await self.client.generate(self.token_ids, n=n, **overrides)
+        branches = []
+        for turn in turns if n > 1 else [turns]:
+            branch = copy.copy(self)
+            branch.token_ids, branch.loss_mask = list(self.token_ids), list(self.loss_mask)
+            branch.logprobs, branch.messages = list(self.logprobs), list(self.messages)
+            branch._append(turn)
+            branches.append(branch)
+        return branches
+
+    def _append(self, turn: Completion) -> None:
         self.token_ids += turn.token_ids
         self.loss_mask += [1] * len(turn.token_ids)
         self.logprobs += turn.logprobs
         self.messages.append({"role": "assistant", "content": turn.text})
         self.turns += bool(turn.token_ids)
         self.last, self.finish_reason = turn, turn.finish_reason
-        return turn
 
     def add(self, *messages: Message) -> None:
         """Append messages the model did not write (tool results, observations), and the cue for

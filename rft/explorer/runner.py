@@ -82,26 +82,31 @@ class WorkflowRunner:
         outcome = Outcome(experiences=[], samples=len(tasks) * samples)
         errors_before = self.scorer.errors + self.scorer.timeouts
         slots = asyncio.Semaphore(self.rollout.max_concurrent_tasks)
-        runs = [self._sample(task, f"{group_prefix}:{i}", k, sampling, sample_seed(*seed_key, i, k), evaluation,
-                             slots, outcome)
-                for i, task in enumerate(tasks) for k in range(samples)]
+        # a per-task workflow (single_turn) samples a task's whole group in one call: one vLLM
+        # request with n = samples, the prompt processed once; others are called once per sample
+        calls = [(0, samples)] if WORKFLOWS.meta(self.workflow).get("per_task") else [(k, 1) for k in range(samples)]
+        runs = [self._call(task, f"{group_prefix}:{i}", first, count, sampling, sample_seed(*seed_key, i, first),
+                           evaluation, slots, outcome)
+                for i, task in enumerate(tasks) for first, count in calls]
         for experiences in await asyncio.gather(*runs):
             outcome.experiences += experiences
         outcome.reward_errors = self.scorer.errors + self.scorer.timeouts - errors_before
         return outcome
 
-    async def _sample(self, task: Task, group_id: str, k: int, sampling: Sampling, seed: int, evaluation: bool,
-                      slots: asyncio.Semaphore, outcome: Outcome) -> list[Experience]:
+    async def _call(self, task: Task, group_id: str, first: int, count: int, sampling: Sampling, seed: int,
+                    evaluation: bool, slots: asyncio.Semaphore, outcome: Outcome) -> list[Experience]:
+        """Samples [first, first + count) of `task`: tried, retried, scored, named; [] if they failed."""
         tries = 1 + self.rollout.max_retries
         for attempt in range(tries):
             engine = min(self.engines, key=lambda e: e.in_flight)  # sticky for the whole trajectory
             model = ModelClient(engine, self.format, sampling, seed + 1000 * attempt)
-            ctx = WorkflowContext(sample=k, seed=seed, evaluation=evaluation, max_turns=self.rollout.max_turns,
-                                  env=self.rollout.env, env_args=dict(self.rollout.env_args))
+            ctx = WorkflowContext(sample=first, samples=count, seed=seed, evaluation=evaluation,
+                                  max_turns=self.rollout.max_turns, env=self.rollout.env,
+                                  env_args=dict(self.rollout.env_args))
             try:
                 async with slots:
                     returned = await asyncio.wait_for(self.workflow(task, model, ctx), self.rollout.task_timeout_s)
-                experiences = self._checked(returned)
+                experiences = self._checked(returned, count)
             except ENGINE_FAILURES:
                 raise  # not the task's fault: the rank stops, naming the engine (rft/explorer/explorer.py)
             except asyncio.TimeoutError:
@@ -111,42 +116,53 @@ class WorkflowRunner:
             except Exception as exc:  # the workflow's, its environment's or its tool's failure
                 error, trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
             else:
-                await self._score(experiences, task)
-                for exp in experiences:
-                    exp.group_id, exp.trajectory_id = group_id, f"{group_id}:{k}"
+                await self._score(experiences, task, count)
+                for index, exp in enumerate(experiences):
+                    sample = first + (index if count > 1 else 0)
+                    exp.group_id, exp.trajectory_id = group_id, f"{group_id}:{sample}"
                     exp.task_id, exp.version = task.task_id, engine.version
                 return experiences
             if attempt + 1 < tries:
                 outcome.retries += 1
-        outcome.failed += 1
-        self._record_failure(task, group_id, k, tries, error, trace, evaluation)
+        outcome.failed += count
+        self._record_failure(task, group_id, first, count, tries, error, trace, evaluation)
         return []
 
     @staticmethod
-    def _checked(returned: object) -> list[Experience]:
+    def _checked(returned: object, count: int) -> list[Experience]:
         experiences = [returned] if isinstance(returned, Experience) else returned
         if not isinstance(experiences, list) or not experiences \
                 or not all(isinstance(e, Experience) for e in experiences):
             raise TypeError(f"the workflow returned {type(returned).__name__}; it must return an Experience or a "
                             "non-empty list of them (rft/buffer/experience.py)")
+        if count > 1 and len(experiences) != count:
+            raise TypeError(f"a per-task workflow must return one experience per sample: {count} asked "
+                            f"(ctx.samples), {len(experiences)} returned")
         for exp in experiences:
             exp.check()
         return experiences
 
-    async def _score(self, experiences: list[Experience], task: Task) -> None:
-        """algorithm.reward for experiences the workflow left unscored. Several from one call
-        (step_wise: the steps of one trajectory) share the score of the last one, the trajectory's end."""
+    async def _score(self, experiences: list[Experience], task: Task, count: int) -> None:
+        """algorithm.reward for experiences the workflow left unscored: one per sample of a
+        per-task call, in one batch; several from one sample (step_wise: the steps of one
+        trajectory) share the score of the last one, the trajectory's end."""
         unscored = [e for e in experiences if e.reward is None]
-        if unscored:
-            (reward,) = await self.scorer.score_async([unscored[-1]], [task])
-            for exp in unscored:
+        if not unscored:
+            return
+        if count > 1:
+            for exp, reward in zip(unscored, await self.scorer.score_async(unscored, [task] * len(unscored))):
                 exp.reward = reward
+            return
+        (reward,) = await self.scorer.score_async([unscored[-1]], [task])
+        for exp in unscored:
+            exp.reward = reward
 
-    def _record_failure(self, task: Task, group_id: str, k: int, tries: int, error: str, trace: str,
-                        evaluation: bool) -> None:
+    def _record_failure(self, task: Task, group_id: str, first: int, count: int, tries: int, error: str,
+                        trace: str, evaluation: bool) -> None:
         os.makedirs(os.path.dirname(self.failed_path), exist_ok=True)
         row = {"time": time.time(), "task_id": task.task_id, "task_index": task.index, "group_id": group_id,
-               "sample": k, "tries": tries, "evaluation": evaluation, "error": error, "traceback": trace}
+               "sample": first, "samples": count, "tries": tries, "evaluation": evaluation, "error": error,
+               "traceback": trace}
         with open(self.failed_path, "a") as f:
             f.write(json.dumps(row) + "\n")
 

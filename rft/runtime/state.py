@@ -89,6 +89,11 @@ class RankState:
             component.load_state_dict(self.saved[name])
         return component
 
+    def untrack(self, *names: str) -> None:
+        """Stop saving these components (a stage's, when it ends)."""
+        for name in names:
+            self.components.pop(name, None)
+
     def resumed(self) -> None:
         """The checkpoint's stage has been entered: later stages start fresh."""
         self.saved = None

@@ -33,6 +33,7 @@ from rft.trainer.publisher import WeightPublisher
 from rft.trainer.train_step import train_step
 from rft.weights.convert import load_hf_weights
 
+STAGE_COMPONENTS = ("optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
 
 
@@ -43,6 +44,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, info, group, stop, resume, f"trainer{info.rank}", monitor=info.rank == 0)
+    runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
     runtime.state.track("model", model)
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, info, geo))
     add_checkpoint_hooks(cfg, info, runtime, model, publisher)
@@ -109,6 +111,7 @@ class Learner:
     def begin(self, stage: Stage) -> None:
         """The stage's optimizer, frozen reference, critic and dataset (restored if resumed here)."""
         cfg, algo, track = self.cfg, stage.cfg.algorithm, self.runtime.state.track
+        self.runtime.state.untrack(*STAGE_COMPONENTS)  # the previous stage's: not saved again
         self.stage, self.algo = stage, algo
         self.is_dpo = algo.policy_loss == "dpo"
         self.optimizer = track("optimizer", torch.optim.AdamW(self.model.parameters(), lr=algo.lr,

@@ -22,7 +22,9 @@ Built-ins:
 
 Registry metadata (`register(name, needs_env=..., columns=...)`, or an `rft_meta` attribute on a
 user's function): `needs_env` (the workflow plays rollout.env), `columns` (the taskset roles it
-reads: "prompt", "answer"; rows without them are skipped and counted).
+reads: "prompt", "answer"; rows without them are skipped and counted), `per_task` (called once per
+task with `ctx.samples` = group_size, it returns one experience per sample: single_turn samples
+them in one vLLM request, so the prompt is processed once).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ class WorkflowContext:
     """What a workflow knows besides its task and its model."""
 
     sample: int = 0  # which sample of the task's group this is (0 .. group_size - 1)
+    samples: int = 1  # how many samples this call returns: 1, or the whole group for per-task workflows
     seed: int = 0  # for the environment's reset and anything else random in the workflow
     evaluation: bool = False  # an eval run: greedy, one sample per task
     max_turns: int = 8  # rollout.max_turns: model turns per episode

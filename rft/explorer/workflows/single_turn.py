@@ -1,4 +1,4 @@
-"""single_turn: one prompt, one reply; the reply is scored by algorithm.reward."""
+"""single_turn: one prompt, one reply per sample; the replies are scored by algorithm.reward."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ from rft.explorer.model_client import ModelClient
 from rft.explorer.workflows import WORKFLOWS, WorkflowContext
 
 
-@WORKFLOWS.register("single_turn", columns=("prompt",))
-async def single_turn(task: Task, model: ModelClient, ctx: WorkflowContext) -> Experience:
-    """The task's prompt as one user message; the model's reply is the whole response."""
+@WORKFLOWS.register("single_turn", columns=("prompt",), per_task=True)
+async def single_turn(task: Task, model: ModelClient, ctx: WorkflowContext) -> list[Experience]:
+    """The task's prompt as one user message; `ctx.samples` replies, sampled in one request."""
     convo = model.conversation([{"role": "user", "content": task.prompt}])
-    await convo.reply()
-    return convo.experience()
+    return [branch.experience() for branch in await convo.replies(ctx.samples)]

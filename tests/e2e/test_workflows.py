@@ -1,0 +1,200 @@
+"""Workflows on a real vLLM engine (the tiny model): every built-in returns well-formed experience,
+user workflows and rewards load by dotted path, many trajectories are in flight at once, and
+workflows that fail, fail once, hang or crash their environment are each accounted for."""
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from rft.buffer.experience import Experience
+from rft.buffer.taskset import Task
+from rft.config import ModelConfig, RolloutConfig, TinyModelConfig
+from rft.explorer.envs.calculator import CalculatorEnv
+from rft.explorer.envs.grid_world import GridWorldEnv
+from rft.explorer.model_client import Sampling
+from rft.explorer.runner import WorkflowRunner
+from rft.explorer.workflows import WORKFLOWS
+
+HERE = __name__
+ARITHMETIC = [Task(i, f"{i}+{i}=", str(2 * i), row={"question": f"{i}+{i}=", "answer": str(2 * i)}) for i in range(4)]
+GRID = [Task(i, None, None, row=row) for i, row in enumerate(GridWorldEnv.sample_tasks(4, seed=0))]
+CALC = [Task(i, row["question"], row["answer"], row=row) for i, row in enumerate(CalculatorEnv.sample_tasks(2, seed=0))]
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    from rft.explorer.vllm_engine import RolloutEngine
+    from rft.models.tiny import create_tiny_model
+
+    path = create_tiny_model(TinyModelConfig(max_position_embeddings=128), str(tmp_path_factory.mktemp("m") / "tiny"), 0)
+    engine = RolloutEngine(ModelConfig(name="tiny", path=path), RolloutConfig(kv_cache_gb=0.1), 0, 128)
+    yield engine
+    engine.close()
+
+
+def run(engine, tmp_path, tasks, samples=2, reward="exact_match", **rollout):
+    config = RolloutConfig(**{"max_new_tokens": 4, "max_turns": 3, **rollout})
+    runner = WorkflowRunner([engine], config, reward, False, str(tmp_path / "failed.jsonl"))
+    try:
+        return runner.run(tasks, samples, Sampling(max_new_tokens=config.max_new_tokens), (0,), "g")
+    finally:
+        runner.close()
+
+
+def failures(tmp_path) -> list[dict]:
+    path = tmp_path / "failed.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+# --- the contract: every built-in runs and returns well-formed experience --------------------
+
+BUILTIN_CASES = {"single_turn": dict(tasks=ARITHMETIC),
+                 "multi_turn": dict(tasks=GRID, env="grid_world"),
+                 "step_wise": dict(tasks=GRID, env="grid_world")}
+
+
+def test_every_builtin_workflow_has_a_case():
+    assert sorted(BUILTIN_CASES) == WORKFLOWS.names()
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_CASES))
+def test_builtin_workflow_returns_checked_scored_grouped_experience(engine, tmp_path, name):
+    case = BUILTIN_CASES[name]
+    outcome = run(engine, tmp_path, case["tasks"], workflow=name, env=case.get("env"))
+    assert outcome.failed == 0 and outcome.samples == 2 * len(case["tasks"])
+    trajectories = {e.trajectory_id for e in outcome.experiences}
+    assert len(trajectories) == outcome.samples  # every sample came back
+    for exp in outcome.experiences:
+        exp.check()
+        assert exp.reward is not None and exp.group_id.startswith("g:") and exp.task_id
+        assert sum(exp.loss_mask) > 0 and len(exp.logprobs) == len(exp.token_ids)
+        assert all(lp <= 0 for lp, m in zip(exp.logprobs, exp.loss_mask) if m)
+    if name == "step_wise":  # one experience per model turn, each trained on its own turn only
+        by_trajectory = {}
+        for exp in outcome.experiences:
+            by_trajectory.setdefault(exp.trajectory_id, []).append(exp)
+        for steps in by_trajectory.values():
+            assert [e.step_index for e in steps] == list(range(len(steps))) == list(range(steps[-1].turns))
+            assert len({e.reward for e in steps}) == 1
+            assert all(steps[-1].token_ids[: len(e.token_ids)] == e.token_ids for e in steps)
+
+
+def test_calculator_env_with_multi_turn_scores_the_final_answer(engine, tmp_path):
+    outcome = run(engine, tmp_path, CALC, workflow="multi_turn", env="calculator", reward="exact_match")
+    assert outcome.failed == 0 and len(outcome.experiences) == 4
+    assert all(e.reward in (0.0, 1.0) for e in outcome.experiences)
+
+
+# --- user code by dotted path ----------------------------------------------------------------
+
+async def echo_twice(task, model, ctx):
+    """A user workflow: two model turns with a message of its own in between."""
+    convo = model.conversation([{"role": "user", "content": task.prompt}])
+    await convo.reply()
+    convo.add({"role": "user", "content": "again="})
+    await convo.reply(max_new_tokens=2)
+    return convo.experience(metrics={"sample": float(ctx.sample)})
+
+
+def reward_by_turns(trajectory, task):
+    """A user reward reading the trajectory and the task's row."""
+    return float(trajectory.turns) + float(task.row["answer"]) / 1000
+
+
+def test_user_workflow_and_reward_by_dotted_path(engine, tmp_path):
+    outcome = run(engine, tmp_path, ARITHMETIC[:2], workflow=f"{HERE}.echo_twice", reward=f"{HERE}.reward_by_turns")
+    assert outcome.failed == 0 and len(outcome.experiences) == 4
+    for exp in outcome.experiences:
+        task = ARITHMETIC[int(exp.group_id.rsplit(":", 1)[1])]
+        assert exp.turns == 2 and exp.reward == pytest.approx(2 + int(task.answer) / 1000)
+        assert exp.metrics["sample"] == float(exp.trajectory_id.rsplit(":", 1)[1])
+        # the user message between the turns is not trained
+        assert 0 < sum(exp.loss_mask) < len(exp.token_ids) - exp.prompt_length
+
+
+# --- many in flight ------------------------------------------------------------------------
+
+async def waits_on_a_tool(task, model, ctx):
+    """Half a second waiting on a (pretend-slow) tool between two model calls."""
+    convo = model.conversation([{"role": "user", "content": task.prompt}])
+    await convo.reply(max_new_tokens=1)
+    await asyncio.sleep(0.5)
+    await convo.reply(max_new_tokens=1)
+    return convo.experience(reward=1.0)
+
+
+def test_trajectories_waiting_on_tools_do_not_hold_the_batch(engine, tmp_path):
+    start = time.monotonic()
+    outcome = run(engine, tmp_path, ARITHMETIC, samples=8, workflow=f"{HERE}.waits_on_a_tool")
+    elapsed = time.monotonic() - start
+    assert len(outcome.experiences) == 32
+    assert elapsed < 8, f"32 trajectories each waiting 0.5 s took {elapsed:.1f} s: they did not overlap"
+    start = time.monotonic()
+    run(engine, tmp_path, ARITHMETIC[:1], samples=4, workflow=f"{HERE}.waits_on_a_tool", max_concurrent_tasks=1)
+    assert time.monotonic() - start >= 4 * 0.5  # one at a time: rollout.max_concurrent_tasks holds
+
+
+# --- faults ----------------------------------------------------------------------------------
+
+TRIES: dict[str, int] = {}
+
+
+async def fails_once(task, model, ctx):
+    key = f"{task.index}:{ctx.sample}"
+    TRIES[key] = TRIES.get(key, 0) + 1
+    if TRIES[key] == 1:
+        raise ConnectionError(f"tool server hiccup on {key}")
+    convo = model.conversation([{"role": "user", "content": task.prompt}])
+    await convo.reply()
+    return convo.experience(reward=1.0)
+
+
+async def always_fails(task, model, ctx):
+    raise RuntimeError(f"broken environment for task {task.index}")
+
+
+async def hangs(task, model, ctx):
+    if ctx.sample == 0:
+        await asyncio.sleep(3600)
+    return Experience([1, 2], [0, 1], [0.0, -1.0], 1, reward=0.5)
+
+
+class CrashingEnv(GridWorldEnv):
+    def step(self, action):
+        raise OSError("the environment's simulator died")
+
+
+def test_a_workflow_that_raises_once_is_retried_and_kept(engine, tmp_path):
+    TRIES.clear()
+    outcome = run(engine, tmp_path, ARITHMETIC[:2], workflow=f"{HERE}.fails_once", max_retries=1)
+    assert (outcome.failed, outcome.retries, len(outcome.experiences)) == (0, 4, 4)
+    assert failures(tmp_path) == []
+
+
+def test_a_workflow_that_always_raises_is_recorded_with_its_traceback(engine, tmp_path):
+    outcome = run(engine, tmp_path, ARITHMETIC[:2], workflow=f"{HERE}.always_fails", max_retries=2)
+    assert (outcome.failed, outcome.retries, outcome.experiences) == (4, 8, [])
+    rows = failures(tmp_path)
+    assert sorted((r["task_index"], r["sample"]) for r in rows) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(r["tries"] == 3 and "RuntimeError: broken environment" in r["error"] and
+               "always_fails" in r["traceback"] for r in rows)
+
+
+def test_a_hanging_workflow_is_cancelled_and_its_group_goes_on_ragged(engine, tmp_path):
+    start = time.monotonic()
+    outcome = run(engine, tmp_path, ARITHMETIC[:2], samples=3, workflow=f"{HERE}.hangs", task_timeout_s=1.0,
+                  max_retries=1)
+    assert time.monotonic() - start < 10
+    assert (outcome.failed, outcome.timeouts, len(outcome.experiences)) == (2, 4, 4)
+    groups = {}
+    for exp in outcome.experiences:
+        groups.setdefault(exp.group_id, []).append(exp)
+    assert sorted(len(g) for g in groups.values()) == [2, 2]  # 2 of 3 samples per task: ragged groups
+    assert all("rollout.task_timeout_s" in r["error"] for r in failures(tmp_path))
+
+
+def test_a_crashing_environment_fails_its_sample_not_the_rank(engine, tmp_path):
+    outcome = run(engine, tmp_path, GRID[:1], workflow="multi_turn", env=f"{HERE}.CrashingEnv", max_retries=0)
+    assert outcome.failed == 2 and "OSError: the environment's simulator died" in failures(tmp_path)[0]["error"]

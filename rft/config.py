@@ -397,6 +397,18 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
 
 
+def generated_data(cfg: RFTConfig) -> list[RFTConfig]:
+    """The configs whose data sections the launcher writes before launch (rft.launch.prepare): the
+    top level's if it sets data.arithmetic or data.from_env, and each stage's that sets one of
+    them itself. A stage that only inherits the top level's generator reads its own files: they
+    are the user's, never overwritten."""
+    sections = [cfg] if cfg.data.arithmetic is not None or cfg.data.from_env is not None else []
+    for stage, (_, resolved) in zip(cfg.stages, stage_configs(cfg) if cfg.stages else []):
+        if stage.data and ("arithmetic" in stage.data or "from_env" in stage.data):
+            sections.append(resolved)
+    return sections
+
+
 def _check_env_tasks(prefix: str, stage: RFTConfig) -> None:
     """data.from_env needs an environment that can draw tasks (or demos) of its own."""
     from rft.explorer.envs import ENVIRONMENTS
@@ -516,17 +528,17 @@ def validate(cfg: RFTConfig) -> None:
               "not an HF model directory (no config.json); for SmolLM2-135M run "
               "`python tools/prepare_smollm2.py` and pass `model=smollm2_135m`, or set "
               "`model.path=/path/to/hf_model`")
+    written = {path for section in generated_data(cfg) for path in (section.data.train_path, section.data.eval_path)}
     for name, stage in stage_configs(cfg):
         prefix = f"stages[{name}]." if cfg.stages else ""
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
-        generated = data.arithmetic is not None or data.from_env is not None
         if data.arithmetic is not None and data.eval_path is None:
             config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
                                                    "set it to a .jsonl path")
         if data.from_env is not None:
             _check_env_tasks(prefix, stage)
-        _check_file(f"{prefix}data.train_path", data.train_path, generated)
-        _check_file(f"{prefix}data.eval_path", data.eval_path, generated)
+        _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)
+        _check_file(f"{prefix}data.eval_path", data.eval_path, data.eval_path in written)
         _check_algorithm(prefix, algo)
         if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,

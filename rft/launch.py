@@ -25,23 +25,18 @@ register_configs()
 
 def prepare(cfg: RFTConfig) -> None:
     """Create what the config says to generate: the tiny model and synthetic tasksets (of the top
-    level and of every stage that sets its own data)."""
+    level, and of every stage that sets its own generator: rft.config.generated_data)."""
     from rft.buffer.arithmetic import write_arithmetic_tasksets
-    from rft.config import stage_configs
+    from rft.config import generated_data
     from rft.explorer.envs import write_env_tasksets
 
     os.makedirs(cfg.run.output_dir, exist_ok=True)
-    written = set()
-    for _, stage in [("top", cfg), *stage_configs(cfg)]:
-        data = stage.data
-        key = (data.train_path, data.eval_path)
-        if key in written:
-            continue
-        if data.arithmetic is not None:
+    for section in generated_data(cfg):
+        data = section.data
+        if data.from_env is not None:
+            write_env_tasksets(section.rollout.env, data.from_env, data.train_path, data.eval_path, cfg.seed)
+        else:
             write_arithmetic_tasksets(data.arithmetic, data.train_path, data.eval_path, cfg.seed)
-        elif data.from_env is not None:
-            write_env_tasksets(stage.rollout.env, data.from_env, data.train_path, data.eval_path, cfg.seed)
-        written.add(key)
     if cfg.model.tiny is not None:
         from rft.models.tiny import create_tiny_model
 

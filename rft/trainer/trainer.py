@@ -49,7 +49,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, info, geo))
     add_checkpoint_hooks(cfg, info, runtime, model, publisher)
     learner = Learner(cfg, info, model, runtime)
-    total_steps = sum(s.trainer.max_steps for _, s in stage_configs(cfg))
+    stages = stage_configs(cfg)
+    total_steps = sum(s.trainer.max_steps for _, s in stages)
     for stage in runtime.stages():
         learner.begin(stage)
         step_start = time.time()
@@ -65,7 +66,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
             runtime.log(stage, step.global_step, scalars)
             if info.rank == 0:  # the launcher's progress bar
                 write_json_atomic(progress_path(cfg.run.output_dir), {
-                    "stage": stage.name, "stage_index": stage.index, "num_stages": len(stage_configs(cfg)),
+                    "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
                     "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
     return runtime.finish({"role": "trainer"})
 

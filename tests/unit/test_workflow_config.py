@@ -82,3 +82,18 @@ def test_quickstart_agent_writes_its_tasksets_from_the_environment(tmp_path):
     assert {(tuple(t["start"]), tuple(t["goal"])) for t in tasks}.isdisjoint(
         {(tuple(t["start"]), tuple(t["goal"])) for t in held_out})
     assert demos[0]["messages"][0]["role"] == "user" and demos[0]["messages"][1]["role"] == "assistant"
+
+
+def test_a_stage_reading_its_own_file_is_never_overwritten(tmp_path):
+    # the stage inherits data.arithmetic from the quickstart's top level but names its own file
+    from rft.launch import prepare
+
+    own = tmp_path / "pairs.jsonl"
+    own.write_text(json.dumps({"question": "1+1=", "chosen": "2", "rejected": "11"}) + "\n")
+    cfg = compose_cfg("+experiment=quickstart", "mode=train", f"run.output_dir={tmp_path / 'run'}",
+                      f"stages=[{{name:dpo,algorithm:{{name:dpo,policy_loss:dpo}},data:{{train_path:{own}}},"
+                      "trainer:{max_steps:1}}]")
+    validate(cfg)
+    prepare(cfg)
+    assert own.read_text().count("\n") == 1
+    assert (tmp_path / "run" / "data" / "train.jsonl").exists()  # the top level's generated set

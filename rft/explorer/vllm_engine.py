@@ -248,6 +248,9 @@ class RolloutEngine:
         """Stop vLLM's engine core and the event loop."""
         with contextlib.suppress(Exception):
             self.llm.shutdown()
+        # drop it now: its __del__ shuts down again, which at interpreter exit fails noisily
+        # ("'NoneType' object is not callable") in every rank's log
+        self.llm = None
         if self._own_loop:
             self.loop.close()
 

@@ -130,7 +130,7 @@ def test_second_launch_into_a_live_run_is_refused(tmp_path):
     finally:
         first.kill()
     assert first.returncode == 130
-    assert f"interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
+    assert "interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
     assert "Traceback" not in out + err
     assert not (run_dir / "owner.json").exists()  # released: the next launch may take it
 

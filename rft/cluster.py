@@ -108,6 +108,27 @@ def engine_span(cfg: RFTConfig) -> int:
     return cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
 
 
+def engine_count(cfg: RFTConfig, rollout_ranks: int | None = None) -> int:
+    """vLLM engines in the job: one per rollout group of `engine_span` tasks."""
+    return (cfg.cluster.rollout_ranks if rollout_ranks is None else rollout_ranks) // engine_span(cfg)
+
+
+def engine_index(cfg: RFTConfig, info: RankInfo) -> int:
+    """Which engine a rollout rank belongs to (0 .. engine_count - 1)."""
+    return info.role_rank // engine_span(cfg)
+
+
+def engine_ranks(cfg: RFTConfig) -> list[list[int]]:
+    """Every engine's global ranks (its leader first), in engine order, from the config alone."""
+    first, span = 0 if cfg.mode == "explore" else cfg.cluster.trainer_ranks, engine_span(cfg)
+    return [list(range(first + e * span, first + (e + 1) * span)) for e in range(engine_count(cfg))]
+
+
+def engine_leaders(cfg: RFTConfig, info: RankInfo) -> list[int]:
+    """Global ranks that run an engine (and write experience shards), in engine order."""
+    return list(range(info.trainer_ranks, info.world_size, engine_span(cfg)))
+
+
 def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:
     """A rollout task that only holds a GPU for the engine its group's first task runs."""
     return info.role == "rollout" and info.role_rank % engine_span(cfg) != 0
@@ -144,8 +165,8 @@ def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
 
     per_stage = cfg.cluster.trainer_ranks // cfg.trainer.pipeline_parallel_size
     workers = cfg.rollout.tensor_parallel_size
-    receivers = [f"rollout rank {leader} worker {w}"
-                 for leader in control_members(cfg, info)[info.trainer_ranks:] for w in range(workers)]
+    receivers = [f"engine {e} (rollout rank {leader}) worker {w}"
+                 for e, leader in enumerate(engine_leaders(cfg, info)) for w in range(workers)]
     return SyncLayout(
         engine=sync_engine(cfg.sync, on_gpu), host=info.master_addr, port=info.weight_port,
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],

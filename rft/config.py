@@ -514,10 +514,9 @@ def validate(cfg: RFTConfig) -> None:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
                      "takes one task (one GPU) per TP rank")
-    if cfg.mode in ("both", "explore") and rtp >= 1 and cfg.cluster.rollout_ranks != span:
+    if cfg.mode in ("both", "explore") and cfg.cluster.rollout_ranks < max(span, 1):
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
-                     f"one vLLM engine for now: {span} here (rollout.tensor_parallel_size on GPU nodes, "
-                     "1 where tasks have no GPU)")
+                     f"need at least one vLLM engine: {max(span, 1)} rank(s) here")
     if cfg.model.max_seq_len < 2:
         config_error("model.max_seq_len", cfg.model.max_seq_len, "use the longest prompt + response to allow, e.g. 4096")
     if cfg.model.dtype not in _DTYPES:

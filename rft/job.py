@@ -142,12 +142,16 @@ def _rank_main(config: dict, master_port: int) -> dict:
 
             init_trainer_group(info, cfg.sync.timeout_s)
             summary = run_trainer(cfg, info, control, stop, resume)
-            if info.rank == 0:
-                control.finish()
-            return summary
-        from rft.explorer.explorer import run_explorer
+        else:
+            from rft.explorer.explorer import run_explorer
 
-        return run_explorer(cfg, info, control, stop, resume)
+            summary = run_explorer(cfg, info, control, stop, resume)
+        # the last meeting: rank 0 hosts the store the engines deal tasks through until every
+        # rank is done (the engines' final evaluation comes after the trainer's last step)
+        control.any(False)
+        if info.rank == 0:
+            control.finish()
+        return summary
     except BaseException:
         traceback.print_exc()
         raise

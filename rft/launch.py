@@ -104,6 +104,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
     table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
                                    f"model {cfg.model.name})")
+    if cfg.mode in ("both", "explore") and r:
+        table.add_row("engines", engines_line(cfg))
     table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
                                  f"timeout {cfg.sync.timeout_s:.0f}s")
     if cfg.mode == "both":
@@ -124,6 +126,21 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def engines_line(cfg: RFTConfig) -> str:
+    """One line per vLLM engine: its ranks and the node of the allocation they run on."""
+    from rft.cluster import engine_ranks
+    from rft.slurm import tasks_per_node
+
+    per_node = tasks_per_node(cfg.cluster) if cfg.cluster.kind == "slurm" else None
+    lines = []
+    for e, ranks in enumerate(engine_ranks(cfg)):
+        where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"
+        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        lines.append(f"engine {e}: {span} on {where}")
+    deal = "tasks dealt by load" if len(lines) > 1 else "one engine"
+    return "\n".join(lines) + f"\n({deal}; each writes its own shards)"
 
 
 def schedule_line(cfg: RFTConfig) -> str:

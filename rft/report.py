@@ -238,7 +238,8 @@ def build_summary(run_dir: str, world_size: int) -> dict:
     """Eval accuracy at start/end of each stage, time split, skipped rows, reward errors."""
     ranks = [_read_json(rank_summary_path(run_dir, r)) or {} for r in range(world_size)]
     trainer = next((r for r in ranks if r.get("role") == "trainer"), {})
-    rollout = next((r for r in ranks if r.get("role") == "rollout"), {})
+    rollouts = [r for r in ranks if r.get("role") == "rollout"]  # one per engine
+    rollout = next(iter(rollouts), {})
     stages: dict[str, dict] = {}
     for row in read_jsonl(eval_path(run_dir)):
         entry = stages.setdefault(row["stage"], {})
@@ -262,8 +263,9 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             "time_split": split,  # only the roles this mode runs (mode=train: no explorer)
             "skipped_rows": {**trainer.get("skipped_rows", {}), **rollout.get("skipped_rows", {})},
             "peak_rss_gb": peak,  # the largest resident memory of the first rank of each role
-            "reward_errors": rollout.get("reward_errors", 0),
-            "failed_samples": rollout.get("failed_samples", 0),
+            "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
+            "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
+            "engines": len(rollouts),
             "failed_path": os.path.join(run_dir, "buffer", "failed.jsonl"),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 

@@ -1,11 +1,12 @@
 """Trainer -> rollout weight sync: time, bandwidth against the raw bound, and logprob parity.
 
     python tools/bench_weight_sync.py --model {tiny,smollm2_135m,PATH} [--trainer-tp N]
-        [--trainer-pp N] [--rollout-tp N] [--engine {gloo,nccl,checkpoint}] [--bucket-mb N]
-        [--repeats N] [--dtype float32] [--wire-dtype auto]
+        [--trainer-pp N] [--rollout-tp N] [--engines N] [--engine {gloo,nccl,checkpoint}]
+        [--bucket-mb N] [--repeats N] [--dtype float32] [--wire-dtype auto]
 
-Starts T = TP x PP Megatron trainer ranks (gloo default group; NCCL on GPUs) beside a real vLLM
-engine in this process, exactly as a job's ranks do. The trainers take a few AdamW steps (so the
+Starts T = TP x PP Megatron trainer ranks (gloo default group; NCCL on GPUs) beside `--engines`
+real vLLM engines in this process (each its own engine process, one weight receiver per TP
+worker), exactly as a job's ranks do; every sync reaches all engines at once. The trainers take a few AdamW steps (so the
 weights are not the checkpoint's), then publish through the run's own `WeightPublisher` `--repeats`
 times. A sync is timed from the moment the trainers start (after a barrier, with the rollout
 waiting) to the moment vLLM has loaded and re-processed the weights. The raw bound is the same
@@ -13,7 +14,7 @@ weight group broadcasting one uint8 tensor of the same total size (checkpoint en
 reading one file of that size). Every other sync is received and discarded instead of loaded
 into vLLM: `wire_seconds` times export, packing and the wire alone (vLLM's CPU backend re-packs
 every linear layer after an update, which dominates on CPU). Finally vLLM scores fixed sequences
-and the trainer's last stage does too. PATH is an HF directory or a config.json (random weights are generated for it).
+and the trainer's last stage does too (the diff is the largest over the engines). PATH is an HF directory or a config.json (random weights are generated for it).
 
 Prints one row per sync; the last line is one JSON object with `seconds` (median sync into
 vLLM), `bytes`, `gbps`, `raw_gbps`, `max_abs_logprob_diff`, `wire_seconds`, `wire_gbps`, plus
@@ -30,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -78,14 +80,16 @@ def make_config(args, model_dir: str, run_dir: str) -> RFTConfig:
     cfg.cluster.trainer_ranks = args.trainer_tp * args.trainer_pp
     cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size = args.trainer_tp, args.trainer_pp
     cfg.rollout.tensor_parallel_size = args.rollout_tp
+    cfg.cluster.rollout_ranks = args.engines  # one rank per engine off GPU nodes (rft.cluster.engine_span)
     cfg.sync.engine, cfg.sync.bucket_mb, cfg.sync.wire_dtype = args.engine, args.bucket_mb, args.wire_dtype
     cfg.sync.timeout_s = args.timeout_s
     return cfg
 
 
 def rank_info(cfg: RFTConfig, rank: int, port: int) -> RankInfo:
-    return RankInfo(rank=rank, world_size=cfg.cluster.trainer_ranks + 1, trainer_ranks=cfg.cluster.trainer_ranks,
-                    rollout_ranks=1, master_addr="127.0.0.1", master_port=port)
+    c = cfg.cluster
+    return RankInfo(rank=rank, world_size=c.trainer_ranks + c.rollout_ranks, trainer_ranks=c.trainer_ranks,
+                    rollout_ranks=c.rollout_ranks, master_addr="127.0.0.1", master_port=port)
 
 
 def _wait_file(path: str, timeout_s: float) -> None:
@@ -174,6 +178,7 @@ def main() -> None:
     parser.add_argument("--trainer-tp", type=int, default=1)
     parser.add_argument("--trainer-pp", type=int, default=1)
     parser.add_argument("--rollout-tp", type=int, default=1)
+    parser.add_argument("--engines", type=int, default=1, help="vLLM engines that receive every sync")
     parser.add_argument("--engine", choices=["gloo", "nccl", "checkpoint"], default=None,
                         help="default: nccl on GPUs, gloo on CPU")
     parser.add_argument("--bucket-mb", type=int, default=512)
@@ -203,12 +208,19 @@ def main() -> None:
                             daemon=True) for r in range(world)]
     for p in trainers:
         p.start()
-    engine = RolloutEngine(ModelConfig(name=args.model, path=model_dir, dtype=args.dtype),
-                           RolloutConfig(kv_cache_gb=args.kv_cache_gb, tensor_parallel_size=args.rollout_tp,
-                                         gpu_memory_utilization=0.3),
-                           seed=0, max_model_len=64)
-    before = vllm_logprobs(engine)
-    engine.open_weight_receiver(sync_layout(cfg, rank_info(cfg, world, port + 10), torch.cuda.is_available()), 0)
+    engines = [RolloutEngine(ModelConfig(name=args.model, path=model_dir, dtype=args.dtype),
+                             RolloutConfig(kv_cache_gb=args.kv_cache_gb, tensor_parallel_size=args.rollout_tp,
+                                           gpu_memory_utilization=0.3 / args.engines),
+                             seed=0, max_model_len=64, name=f"engine {e}") for e in range(args.engines)]
+    before = vllm_logprobs(engines[0])
+    layout = sync_layout(cfg, rank_info(cfg, world, port + 10), torch.cuda.is_available())
+    for e, engine in enumerate(engines):
+        engine.open_weight_receiver(layout, e * args.rollout_tp)
+    pool = ThreadPoolExecutor(len(engines))  # a broadcast needs every receiver at once
+
+    def on_every_engine(call):
+        return [f.result() for f in [pool.submit(call, engine) for engine in engines]]
+
     seconds, wire_seconds = [], []
     print(f"{'sync':>5} {'into':>7} {'seconds':>9} {'tail_s':>8}", flush=True)
     for k in range(2 * args.repeats):
@@ -216,7 +228,7 @@ def main() -> None:
         # which times export + packing + the wire alone
         into_vllm = k % 2 == 0 or args.engine == "checkpoint"
         open(os.path.join(scratch, f"ready{k}"), "w").close()
-        tail_s = engine.receive_weights(apply=into_vllm)
+        tail_s = max(on_every_engine(lambda engine: engine.receive_weights(apply=into_vllm)))
         done = time.time()
         _wait_file(os.path.join(scratch, f"t0_{k}"), 5)
         with open(os.path.join(scratch, f"t0_{k}")) as f:
@@ -229,16 +241,18 @@ def main() -> None:
         raw_s = raw_checkpoint_seconds(cfg.run.output_dir, nbytes)
     else:
         open(os.path.join(scratch, "ready_raw"), "w").close()
-        engine.collective_rpc("rft_raw_broadcast", (nbytes,))
+        on_every_engine(lambda engine: engine.collective_rpc("rft_raw_broadcast", (nbytes,)))
         raw_s = time.time() - float(open(os.path.join(scratch, "t0_raw")).read())
     for p in trainers:
         p.join(timeout=args.timeout_s)
         if p.exitcode != 0:
             sys.exit(f"a trainer rank exited with {p.exitcode}")
-    after = vllm_logprobs(engine)
     trained = torch.load(os.path.join(scratch, "trainer_logprobs.pt"))
-    diff = max((torch.tensor(a) - trained["logprobs"][row, : len(a)]).abs().max().item()
-               for row, a in enumerate(after))
+    diff, after = 0.0, None
+    for engine in engines:
+        after = vllm_logprobs(engine)
+        diff = max([diff] + [(torch.tensor(a) - trained["logprobs"][row, : len(a)]).abs().max().item()
+                             for row, a in enumerate(after)])
     moved = max((torch.tensor(b) - torch.tensor(a)).abs().max().item() for b, a in zip(before, after))
     median = statistics.median(seconds)
     wire = statistics.median(wire_seconds) if wire_seconds else None
@@ -247,6 +261,7 @@ def main() -> None:
               "wire_seconds": wire and round(wire, 4), "wire_gbps": wire and round(nbytes / wire / 1e9, 3),
               "logprob_shift_from_checkpoint": round(moved, 4), "model": args.model, "engine": args.engine,
               "trainer_tp": args.trainer_tp, "trainer_pp": args.trainer_pp, "rollout_tp": args.rollout_tp,
+              "engines": args.engines,
               "bucket_mb": args.bucket_mb, "repeats": args.repeats,
               "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
     print(json.dumps(result), flush=True)

@@ -202,13 +202,41 @@ class ExperienceBuffer:
                     return claim
             waited = time.monotonic() - start
             if waited >= timeout_s:
-                raise TimeoutError(
-                    f"no experience shard became ready in {self.root} after waiting {waited:.1f}s "
-                    f"(timeout {timeout_s}s, min_step={min_step}; {len(self.pending())} ready, "
-                    f"{len(self._list_claimed())} claimed, {len(self.consumed())} consumed): "
-                    "are the explorers running and writing to this directory?"
-                )
+                raise self._no_experience(waited, timeout_s, f"min_step={min_step}")
             time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
+
+    def claim_step(self, consumer: int, producers: list[int], timeout_s: float, poll_s: float = 0.02) -> list[Claim]:
+        """Lease the oldest step's shards, one from each of `producers`, once all of them are
+        ready (a job with several engines: each writes its own shard of every step, and the
+        trainer trains a step on all of them). Waits up to `timeout_s`."""
+        start = time.monotonic()
+        while True:
+            self.release_expired()
+            ready = self.pending()
+            step = _sort_key(ready[0])[0] if ready else None
+            of_step = {_sort_key(n)[1]: n for n in ready if _sort_key(n)[0] == step}
+            missing = [p for p in producers if p not in of_step]
+            waited = time.monotonic() - start
+            if ready and not missing:
+                claims = [self._try_claim(of_step[p], consumer) for p in producers]
+                if any(c is None for c in claims):
+                    raise RuntimeError(f"step {step}'s shards in {self.root} were taken by another consumer: "
+                                       "one trainer (rank 0) claims a job's experience")
+                for claim in claims:
+                    claim.waited_s = waited
+                return claims
+            if waited >= timeout_s:
+                detail = f"step {step} has no shard yet from producer(s) {missing}" if ready else \
+                    f"producers {producers}"
+                raise self._no_experience(waited, timeout_s, detail)
+            time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
+
+    def _no_experience(self, waited: float, timeout_s: float, detail: str) -> TimeoutError:
+        return TimeoutError(
+            f"no experience shard became ready in {self.root} after waiting {waited:.1f}s "
+            f"(timeout {timeout_s}s, {detail}; {len(self.pending())} ready, "
+            f"{len(self._list_claimed())} claimed, {len(self.consumed())} consumed): "
+            "are the explorers running and writing to this directory?")
 
     def _try_claim(self, name: str, consumer: int) -> Claim | None:
         ready = os.path.join(self.root, name)

@@ -12,18 +12,23 @@ from rft.buffer.experience import Experience
 
 
 def run_filtered(generate: Callable[[int, int], list[Experience]], sample_filter: Callable, tasks: int,
-                 max_rounds: int) -> tuple[list[Experience], dict[str, float]]:
+                 max_rounds: int, kept_by_all: Callable[[int, int], int] = lambda kept, _round: kept,
+                 ) -> tuple[list[Experience], dict[str, float]]:
     """Generate `tasks` groups, drop those the filter rejects (e.g. all rewards equal: zero
     advantage, nothing to learn), and generate more until `tasks` groups are kept or `max_rounds`
     rounds ran. `generate(num_tasks, round)` returns the experiences of that many tasks (their
     groups named by `group_id`; a task whose samples all failed has none).
     Returns at most `tasks` groups (fewer if rounds ran out; all of the first round if none was
-    kept) and counts for the log."""
+    kept) and counts for the log.
+
+    With several engines each runs this loop on its share of every round (rft/explorer/dealer.py):
+    `kept_by_all(kept here, round)` sums the groups every engine kept so far, so all engines
+    ask the next round for the same number of tasks and stop at the same round."""
     kept: list[Experience] = []
     first: list[Experience] | None = None
-    generated = 0
+    generated, kept_total = 0, 0
     for round_index in range(max_rounds):
-        missing = tasks - len({e.group_id for e in kept})
+        missing = tasks - kept_total
         if missing <= 0:
             break
         experiences = generate(missing, round_index)
@@ -33,8 +38,9 @@ def run_filtered(generate: Callable[[int, int], list[Experience]], sample_filter
             rewards = torch.tensor([float(e.reward) for e in experiences])
             keep = sample_filter(rewards, group_index([e.group_id for e in experiences])).tolist()
             kept += [e for e, k in zip(experiences, keep) if k]
-    if not kept:  # nothing passed: train on the first round (zero advantages) rather than stall
+        kept_total = kept_by_all(len({e.group_id for e in kept}), round_index)
+    if kept_total == 0:  # nothing passed: train on the first round (zero advantages) rather than stall
         kept = first or []
-    stats = {"rollout/groups_generated": float(generated),
-             "rollout/groups_kept": float(len({e.group_id for e in kept}))}
+        kept_total = kept_by_all(len({e.group_id for e in kept}), max_rounds)
+    stats = {"rollout/groups_generated": float(generated), "rollout/groups_kept": float(kept_total)}
     return kept, stats

@@ -23,8 +23,9 @@ from rft.buffer.experience import Experience, to_table
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import Task, TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume
-from rft.cluster import RankInfo, engine_span, sync_layout
+from rft.cluster import RankInfo, engine_count, engine_index, engine_span, sync_layout
 from rft.config import RFTConfig, context_length, needs_rollouts
+from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
 from rft.explorer.model_client import Sampling
 from rft.explorer.runner import Outcome, WorkflowRunner
@@ -42,11 +43,11 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     started = time.time()
     stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
-                             loop=LoopThread())]  # one engine per rank for now
+                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread())]  # one per rank; the job's engines share tasks (dealer.py)
     stop.install()
     runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
     runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
-                         reward_errors=0, failed_samples=0)  # startup overlaps the trainer's first steps
+                         reward_errors=0, failed_samples=0, eval_samples=0)  # startup overlaps the trainer's first steps
     explorer = Explorer(cfg, info, engines, runtime)
     for stage in runtime.stages():
         explorer.begin(stage)
@@ -68,7 +69,9 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
 
 
 class Explorer:
-    """A rollout rank's engines, buffer, tasksets and workflow runner."""
+    """A rollout rank's engines, buffer, tasksets and workflow runner. With several engines in
+    the job each explorer takes its share of every batch from the dealer (rft/explorer/dealer.py)
+    and writes its own shard per step; engine 0 logs the evaluations, which every engine shares."""
 
     def __init__(self, cfg: RFTConfig, info: RankInfo, engines: list[RolloutEngine], runtime: Runtime):
         self.cfg, self.info, self.engines, self.runtime = cfg, info, engines, runtime
@@ -81,6 +84,11 @@ class Explorer:
         if runtime.resumed_at is not None:
             drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
         self.joined = False  # the trainer opens the weight groups at its first sync
+        self.engine = engine_index(cfg, info)
+        self.dealer = Dealer(runtime.group.store, self.engine, engine_count(cfg), cfg.sync.timeout_s)
+        # sample seeds name the batch, never the engine (any engine may run any task); the first
+        # rollout rank's number keeps the seeds that single-engine runs had
+        self.first_rollout_rank = info.trainer_ranks
         self.runner: WorkflowRunner | None = None
         self.cursor: TaskCursor | None = None
         self.eval_tasks: list[Task] = []
@@ -127,13 +135,17 @@ class Explorer:
         start = time.time()
 
         def generate(num_tasks: int, round_index: int) -> list[Experience]:
-            key = (self.cfg.seed, step.global_step, round_index, self.info.rank)
+            batch = f"{step.global_step}:{round_index}"
+            key = (self.cfg.seed, step.global_step, round_index, self.first_rollout_rank)
             outcomes.append(self.runner.run(self.cursor.next_batch(num_tasks), algo.group_size, sampling, key,
-                                            f"{step.global_step}:{self.info.rank}:{round_index}"))
+                                            batch, deal=self.dealer.deal(batch, num_tasks)))
             return outcomes[-1].experiences
 
+        def kept_by_all(kept: int, round_index: int) -> int:
+            return self.dealer.total(f"kept:{step.global_step}:{round_index}", kept)
+
         experiences, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
-                                                 rollout.tasks_per_step, rollout.max_sampling_rounds)
+                                                 rollout.tasks_per_step, rollout.max_sampling_rounds, kept_by_all)
         generated = time.time()
         self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.info.rank,
                           version=self.version.value)
@@ -165,14 +177,19 @@ class Explorer:
         rollout = stage.cfg.rollout
         start = time.time()
         sampling = Sampling(rollout.eval_temperature, 1.0, rollout.max_new_tokens, tuple(rollout.stop))
-        outcome = self.runner.run(self.eval_tasks, 1, sampling, (self.cfg.seed, "eval"),
-                                  f"eval-{stage.index}-{when}-{global_step}", evaluation=True)
-        trajectories = {e.trajectory_id: e for e in outcome.experiences}.values()  # step_wise: one per trajectory
+        batch = f"eval-{stage.index}-{when}-{global_step}"
+        outcome = self.runner.run(self.eval_tasks, 1, sampling, (self.cfg.seed, "eval"), batch, evaluation=True,
+                                  deal=self.dealer.deal(batch, len(self.eval_tasks)))
+        self.runtime.progress.add(eval_s=time.time() - start, reward_errors=outcome.reward_errors,
+                                  failed_samples=outcome.failed, eval_samples=outcome.samples)
+        outcomes = self.dealer.gather(batch, outcome)  # every engine's share; engine 0 reports
+        if self.engine != 0:
+            return
+        experiences = [e for o in outcomes for e in o.experiences]
+        trajectories = {e.trajectory_id: e for e in experiences}.values()  # step_wise: one per trajectory
         accuracy = sum(float(e.reward) for e in trajectories) / len(self.eval_tasks)  # a failed task scores 0
         metrics = {key.removeprefix("eval/"): value
-                   for key, value in outcome_scalars([outcome], list(trajectories), "eval").items()}
-        self.runtime.progress.add(eval_s=time.time() - start, reward_errors=outcome.reward_errors,
-                                  failed_samples=outcome.failed)
+                   for key, value in outcome_scalars(outcomes, list(trajectories), "eval").items()}
         self.runtime.log(stage, global_step, {"eval/accuracy": accuracy, **{f"eval/{k}": v for k, v in metrics.items()}})
         append_jsonl(eval_path(self.cfg.run.output_dir), {
             "stage": stage.name, "when": when, "step": global_step, "version": self.version.value,

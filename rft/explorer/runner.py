@@ -28,6 +28,7 @@ from rft.buffer.experience import Experience
 from rft.buffer.taskset import Task
 from rft.config import RolloutConfig
 from rft.explorer.chat_format import chat_format
+from rft.explorer.dealer import Deal, local_deal
 from rft.explorer.model_client import ModelClient, Sampling
 from rft.explorer.rewards import RewardScorer
 from rft.explorer.vllm_engine import RolloutEngine
@@ -48,7 +49,7 @@ class Outcome:
     """What one batch produced, and what it cost."""
 
     experiences: list[Experience]
-    samples: int  # workflow calls asked for (tasks x samples per task)
+    samples: int  # samples asked for (tasks this engine took x samples per task)
     failed: int = 0  # samples that failed every try (each has a line in failed.jsonl)
     retries: int = 0  # tries after a failed first one
     timeouts: int = 0  # tries cancelled by rollout.task_timeout_s
@@ -72,23 +73,33 @@ class WorkflowRunner:
         self.format = chat_format(engines[0].tokenizer, chat_template)
 
     def run(self, tasks: list[Task], samples: int, sampling: Sampling, seed_key: tuple, group_prefix: str,
-            evaluation: bool = False) -> Outcome:
-        """`samples` trajectories of each task; group i (task i) is named `<group_prefix>:<i>`.
-        Blocks until every sample succeeded or failed for good."""
-        return self.engines[0].run(self._run(tasks, samples, sampling, seed_key, group_prefix, evaluation))
+            evaluation: bool = False, deal: Deal | None = None) -> Outcome:
+        """`samples` trajectories of each task this engine is dealt (all of them without `deal`:
+        rft/explorer/dealer.py); group i (task i) is named `<group_prefix>:<i>`. Blocks until every
+        sample succeeded or failed for good; experiences come in task order."""
+        deal = deal or local_deal(len(tasks))
+        return self.engines[0].run(self._run(tasks, samples, sampling, seed_key, group_prefix, evaluation, deal))
 
     async def _run(self, tasks: list[Task], samples: int, sampling: Sampling, seed_key: tuple,
-                   group_prefix: str, evaluation: bool) -> Outcome:
-        outcome = Outcome(experiences=[], samples=len(tasks) * samples)
+                   group_prefix: str, evaluation: bool, deal: Deal) -> Outcome:
+        outcome = Outcome(experiences=[], samples=0)
         errors_before = self.scorer.errors + self.scorer.timeouts
         slots = asyncio.Semaphore(self.rollout.max_concurrent_tasks)
         # a per-task workflow (single_turn) samples a task's whole group in one call: one vLLM
         # request with n = samples, the prompt processed once; others are called once per sample
         calls = [(0, samples)] if WORKFLOWS.meta(self.workflow).get("per_task") else [(k, 1) for k in range(samples)]
-        runs = [self._call(task, f"{group_prefix}:{i}", first, count, sampling, sample_seed(*seed_key, i, first),
-                           evaluation, slots, outcome)
-                for i, task in enumerate(tasks) for first, count in calls]
-        for experiences in await asyncio.gather(*runs):
+        done: list[tuple[int, list[Experience]]] = []
+
+        async def take_tasks() -> None:
+            while (i := deal.claim()) < len(tasks):
+                runs = [self._call(tasks[i], f"{group_prefix}:{i}", first, count, sampling,
+                                   sample_seed(*seed_key, i, first), evaluation, slots, outcome)
+                        for first, count in calls]
+                done.append((i, [e for experiences in await asyncio.gather(*runs) for e in experiences]))
+                outcome.samples += samples
+
+        await asyncio.gather(*(take_tasks() for _ in range(min(deal.window, len(tasks)))))
+        for _, experiences in sorted(done, key=lambda d: d[0]):
             outcome.experiences += experiences
         outcome.reward_errors = self.scorer.errors + self.scorer.timeouts - errors_before
         return outcome

@@ -12,7 +12,9 @@ elastic agent does for its workers:
       waits; killed child -> RankKilledError("trainer rank 0 was killed by the kernel's OOM killer ...")
 
 The child gets SIGKILL if the task process dies first (PR_SET_PDEATHSIG), so a cancelled job
-leaves no orphan. The message names the signal, the child's peak memory and, where the cgroup's
+leaves no orphan. The child leads a process group of its own, and whatever is left in it once the
+child has ended (vLLM's engine process, reward or tool subprocesses of a rank killed by -9, which
+would otherwise live on holding memory and cores) is killed with it. The message names the signal, the child's peak memory and, where the cgroup's
 memory.events counts one, that the OOM killer did it.
 """
 
@@ -99,6 +101,7 @@ def run_supervised(work: Callable[[], Any], who: str) -> Any:
     pid = os.fork()
     if pid == 0:  # the child: the rank itself
         _die_with_parent()
+        os.setpgid(0, 0)  # its descendants share this group: see _kill_leftovers
         # until the rank installs its own handlers (rft/preemption.py): SIGUSR2's default would
         # kill it, and submitit's handler inherited from this process would requeue on its own
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
@@ -106,12 +109,17 @@ def run_supervised(work: Callable[[], Any], who: str) -> Any:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         os._exit(_run_and_record(work, outcome_path))
 
+    try:
+        os.setpgid(pid, pid)  # also here: whichever of parent and child runs first sets it
+    except OSError:
+        pass  # the child did already (and may have exec'd or ended)
     previous = {signum: signal.signal(signum, lambda s, _f: _forward(pid, s)) for signum in _FORWARDED}
     try:
         _, status, usage = os.wait4(pid, 0)  # a forwarded signal does not end the wait (PEP 475)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    _kill_leftovers(pid)
     try:
         with open(outcome_path, "rb") as f:
             payload = f.read()
@@ -158,6 +166,14 @@ def _run_and_record(work: Callable[[], Any], outcome_path: str) -> int:
     sys.stdout.flush()  # os._exit skips the interpreter's flush
     sys.stderr.flush()
     return 0 if outcome[0] == "ok" else 1
+
+
+def _kill_leftovers(group: int) -> None:
+    """SIGKILL what is left of the rank's process group after the rank ended."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass  # nothing left
 
 
 def _forward(pid: int, signum: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import pyarrow as pa
 import torch
 import torch.distributed as dist
 
@@ -67,31 +68,35 @@ class DatasetBatches:
 
 
 class ExperienceReader:
-    """Trainer rank 0 claims each shard; every trainer rank gets its table (TP/DP split the rows).
+    """Trainer rank 0 claims each step's experience; every trainer rank gets its table (TP/DP
+    split the rows). With `producers` (the job's engines, each writing one shard per step) a step
+    is their shards of it together; without (experience from elsewhere), one shard at a time."""
 
-    One claim per step, not one per rank: the explorer writes one shard per step.
-    """
-
-    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float):
+    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float,
+                 producers: list[int] | None = None):
         self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
-        self.claim = None
+        self.producers = producers
+        self.claims: list = []
 
     def next_table(self) -> tuple[object, float, float]:
-        """(table, seconds waited for the shard to appear, seconds of buffer I/O)."""
+        """(table, seconds waited for the shards to appear, seconds of buffer I/O)."""
         start = time.time()
         payload = [None]
         if self.info.rank == 0:
-            self.claim = self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)
-            payload = [self.claim.table]
+            if self.producers:
+                self.claims = self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s)
+            else:
+                self.claims = [self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)]
+            payload = [pa.concat_tables([c.table for c in self.claims])]
         if self.info.trainer_ranks > 1:
             dist.broadcast_object_list(payload, src=0)
-        waited = self.claim.waited_s if self.claim else 0.0
+        waited = self.claims[0].waited_s if self.claims else 0.0
         return payload[0], waited, time.time() - start - waited
 
     def commit(self, stale: bool = False) -> float:
-        """Mark the step's shard consumed, or with `stale` set it aside untrained."""
+        """Mark the step's shards consumed, or with `stale` set them aside untrained."""
         start = time.time()
-        if self.claim is not None:
-            (self.buffer.set_aside_stale if stale else self.buffer.commit)(self.claim)
-            self.claim = None
+        for claim in self.claims:
+            (self.buffer.set_aside_stale if stale else self.buffer.commit)(claim)
+        self.claims = []
         return time.time() - start

@@ -20,7 +20,7 @@ from rft.buffer.context_fit import ContextFit
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume, prune, rng_state, set_rng_state
-from rft.cluster import RankInfo
+from rft.cluster import RankInfo, engine_leaders
 from rft.config import RFTConfig, context_length, needs_critic, needs_rollouts, stage_configs
 from rft.monitor import progress_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag
@@ -107,7 +107,8 @@ class Learner:
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s)
+        producers = engine_leaders(cfg, info) if cfg.mode == "both" else None  # each engine writes a shard per step
+        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers)
 
     def begin(self, stage: Stage) -> None:
         """The stage's optimizer, frozen reference, critic and dataset (restored if resumed here)."""

@@ -60,6 +60,24 @@ def test_claims_oldest_first_numerically_and_honours_min_step(tmp_path):
     assert order == ["step00000002-p000.parquet", "step00000002-p005.parquet", "step100000000-p000.parquet"]
 
 
+def test_a_step_is_claimed_once_every_producer_wrote_it(tmp_path):
+    """Several engines: the trainer takes the oldest step's shard from each producer, together."""
+    buf = ExperienceBuffer(str(tmp_path / "buf"))
+    buf.write(_columns(2), step=3, producer=1, version=3)
+    with pytest.raises(TimeoutError, match=r"step 3 has no shard yet from producer\(s\) \[2\]"):
+        buf.claim_step(0, [1, 2], timeout_s=0.2)
+    buf.write(_columns(1), step=4, producer=2, version=4)  # a newer step does not jump the queue
+    buf.write(_columns(3), step=3, producer=2, version=3)
+    buf.write(_columns(1), step=4, producer=1, version=4)
+    claims = buf.claim_step(0, [1, 2], timeout_s=1.0)
+    assert [(c.name, c.table.num_rows) for c in claims] == [("step00000003-p001.parquet", 2),
+                                                             ("step00000003-p002.parquet", 3)]
+    for claim in claims:
+        buf.commit(claim)
+    assert [c.name for c in buf.claim_step(0, [1, 2], timeout_s=1.0)] == ["step00000004-p001.parquet",
+                                                                           "step00000004-p002.parquet"]
+
+
 def test_manifest_lines_match_files(tmp_path):
     buf = ExperienceBuffer(str(tmp_path))
     before = time.time()

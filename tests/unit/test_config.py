@@ -121,7 +121,7 @@ def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_pat
     layout = sync_layout(cfg, info, on_gpu=True)
     # Megatron orders ranks tp, dp, pp: stage 1 starts at rank (tp x dp) = 4
     assert layout.sender_ranks == [0, 4]
-    assert layout.receiver_names == ["rollout rank 8 worker 0", "rollout rank 8 worker 1"]
+    assert layout.receiver_names == ["engine 0 (rollout rank 8) worker 0", "engine 0 (rollout rank 8) worker 1"]
     assert layout.engine == "nccl" and layout.port == 2001 and layout.host == "node1"
     assert layout.bucket_bytes == 512 << 20
     assert layout.peer_names(1)[0] == "trainer rank 4 (PP stage 1)"

@@ -10,6 +10,7 @@ from rft.config import ClusterConfig, RFTConfig
 from rft.slurm import check_request, make_executor, port_for_job, tasks_per_node
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sbatch_4x8_gpu.sh")
+GOLDEN_TWO_ENGINES = os.path.join(os.path.dirname(__file__), "golden", "sbatch_2x8_gpu_2_engines.sh")
 
 
 def _slurm_env(monkeypatch, procid: int, nodeid: int, localid: int, ntasks: int = 32) -> None:
@@ -55,24 +56,61 @@ def _gpu_profile(tmp_path) -> RFTConfig:
     return cfg
 
 
-def test_sbatch_script_for_4_nodes_x_8_gpus_matches_golden(tmp_path, monkeypatch):
+def _two_engines_profile(tmp_path) -> RFTConfig:
+    """2 nodes x 8 GPUs: 8 trainer ranks on node 0, two vLLM engines of TP 4 on node 1."""
+    cfg = _gpu_profile(tmp_path)
+    cfg.cluster.nodes, cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks = 2, 8, 8
+    cfg.rollout.tensor_parallel_size = 4
+    return cfg
+
+
+@pytest.mark.parametrize("profile, golden", [(_gpu_profile, GOLDEN),
+                                             (_two_engines_profile, GOLDEN_TWO_ENGINES)])
+def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
     # submitit's executor refuses to exist where `srun` is not on PATH; writing the script needs none
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    cfg = _gpu_profile(tmp_path)
+    cfg = profile(tmp_path)
     executor = make_executor(cfg, str(tmp_path / "logs"))
     script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
     from rft.slurm import REPO
 
     script = script.replace(str(tmp_path), "RUN").replace(REPO, "REPO")
     if os.environ.get("RFT_UPDATE_GOLDEN"):
-        with open(GOLDEN, "w") as f:
+        with open(golden, "w") as f:
             f.write(script)
-    with open(GOLDEN) as f:
+    with open(golden) as f:
         assert script == f.read(), "sbatch script changed; rerun with RFT_UPDATE_GOLDEN=1 if intended"
     assert tasks_per_node(cfg.cluster) == 8
+
+
+def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
+    """Each engine's leader runs it on its own four GPUs of node 1; the weight groups reach every
+    worker of both engines; the plan names both engines, their ranks and node."""
+    from rft.cluster import control_members, engine_devices, engine_index, is_engine_follower, sync_layout
+    from rft.launch import engines_line
+
+    cfg = _two_engines_profile(tmp_path)
+    (tmp_path / "rft.sif").write_text("")
+    check_request(cfg)
+    roles = {}
+    for procid in (7, 8, 9, 11, 12, 15):
+        _slurm_env(monkeypatch, procid, procid // 8, procid % 8, ntasks=16)
+        info = rank_info_from_env(cfg.cluster, master_port=0)
+        roles[procid] = "follower" if is_engine_follower(cfg, info) else \
+            (info.role if info.role == "trainer" else f"engine {engine_index(cfg, info)}")
+    assert roles == {7: "trainer", 8: "engine 0", 9: "follower", 11: "follower", 12: "engine 1", 15: "follower"}
+    monkeypatch.setenv("LOCAL_RANK", "4")  # rank 12 is the fifth task on node 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert engine_devices(cfg) == "4,5,6,7"
+    assert control_members(cfg, info) == list(range(8)) + [8, 12]
+    layout = sync_layout(cfg, info, on_gpu=True)
+    assert layout.receiver_names == [f"engine {e} (rollout rank {8 + 4 * e}) worker {w}"
+                                     for e in range(2) for w in range(4)]
+    assert engines_line(cfg).splitlines()[:2] == ["engine 0: ranks 8-11 on node 1 of 2",
+                                                  "engine 1: ranks 12-15 on node 1 of 2"]
 
 
 @pytest.mark.parametrize("change, key", [
@@ -108,7 +146,7 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
     assert engine_devices(cfg) == "4,5,6,7,0,1,2,3"
     assert control_members(cfg, info) == list(range(24)) + [24]
     layout = sync_layout(cfg, info, on_gpu=True)
-    assert layout.receiver_names == [f"rollout rank 24 worker {w}" for w in range(8)]
+    assert layout.receiver_names == [f"engine 0 (rollout rank 24) worker {w}" for w in range(8)]
     assert layout.sender_ranks == [0]
     # followers save no checkpoint file: a checkpoint of the voting ranks is complete without them
     from rft.checkpoint import newest_complete, save_rank_state
@@ -120,7 +158,7 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("rollout_tp, trainer_ranks, rollout_ranks, message", [
     (3, 24, 8, "must be a multiple of rollout.tensor_parallel_size=3"),
-    (4, 24, 8, "one vLLM engine for now: 4 here"),
+    (4, 24, 0, "need at least one vLLM engine: 4 rank"),
 ])
 def test_rollout_tp_that_does_not_fit_its_ranks_names_the_key(tmp_path, rollout_tp, trainer_ranks, rollout_ranks,
                                                               message):

@@ -119,6 +119,25 @@ def test_child_dies_with_its_supervisor(tmp_path):
         task.kill()
 
 
+def test_what_a_killed_rank_started_goes_with_it(tmp_path):
+    """A rank killed by -9 leaves no process behind (vLLM's engine process lived on, holding a
+    GiB and spinning on the cores, before the rank led a process group of its own)."""
+    pid_file = tmp_path / "grandchild.pid"
+
+    def rank_with_a_helper():
+        helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        pid_file.write_text(str(helper.pid))
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    with pytest.raises(RankKilledError):
+        run_supervised(rank_with_a_helper, "rollout rank 1")
+    helper = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while _alive(helper):
+        assert time.time() < deadline, "the killed rank's subprocess outlived it"
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:

@@ -1,0 +1,84 @@
+"""Dealing tasks to several engines through a real TCPStore (rft/explorer/dealer.py): every task
+exactly once, a slow engine dealt fewer, meeting points that name an engine that never came."""
+
+import asyncio
+import datetime
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from rft.cluster import free_port
+from rft.explorer.dealer import Dealer
+
+
+def _stores(n: int, timeout_s: float = 10.0) -> list[dist.Store]:
+    port = free_port()
+    timeout = datetime.timedelta(seconds=timeout_s)
+    host = dist.TCPStore("127.0.0.1", port, None, is_master=True, timeout=timeout, wait_for_workers=False)
+    return [host] + [dist.TCPStore("127.0.0.1", port, None, is_master=False, timeout=timeout)
+                     for _ in range(n - 1)]
+
+
+def _take(dealer: Dealer, batch: str, tasks: int, seconds_per_task: float, taken: list[int]) -> None:
+    """An engine's runner in small: `window` workers pull task indices until none is left."""
+    deal = dealer.deal(batch, tasks)
+
+    async def worker():
+        while (i := deal.claim()) < tasks:
+            await asyncio.sleep(seconds_per_task)
+            taken.append(i)
+
+    async def engine():
+        await asyncio.gather(*(worker() for _ in range(deal.window)))
+
+    asyncio.run(engine())
+
+
+def test_every_task_is_dealt_once_and_a_slow_engine_gets_fewer():
+    stores = _stores(2)
+    fast, slow = [], []
+    engines = [threading.Thread(target=_take, args=(Dealer(stores[0], 0, 2, 10.0), "7:0", 64, 0.005, fast)),
+               threading.Thread(target=_take, args=(Dealer(stores[1], 1, 2, 10.0), "7:0", 64, 0.05, slow))]
+    for t in engines:
+        t.start()
+    for t in engines:
+        t.join()
+    assert sorted(fast + slow) == list(range(64))  # each task once, none lost
+    assert Dealer(stores[0], 0, 2, 10.0).deal("7:0", 64).window == 16  # half of an even share at once
+    assert len(slow) < len(fast), (len(slow), len(fast))  # by load, not 32 each
+    assert len(slow) >= 16  # its first window
+
+
+def test_one_engine_takes_every_task_without_the_store():
+    dealer = Dealer(store=None, index=0, count=1, timeout_s=1.0)
+    deal = dealer.deal("x", 5)
+    assert [deal.claim() for _ in range(6)] == [0, 1, 2, 3, 4, 5] and deal.window == 5
+    assert dealer.gather("k", {"a": 1}) == [{"a": 1}] and dealer.total("k", 3) == 3
+
+
+def test_gather_returns_every_engines_payload_in_engine_order():
+    stores = _stores(3)
+    results = [None] * 3
+
+    def engine(e):
+        dealer = Dealer(stores[e], e, 3, 10.0)
+        results[e] = (dealer.gather("eval-0", {"engine": e, "rewards": [e] * e}), dealer.total("kept:1:0", e + 1))
+
+    threads = [threading.Thread(target=engine, args=(e,)) for e in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    expected = [{"engine": e, "rewards": [e] * e} for e in range(3)]
+    assert all(r == (expected, 6) for r in results), results
+    assert not stores[0].check(["rft-deal/eval-0/0"])  # the last reader freed the keys
+
+
+def test_an_engine_that_never_reports_is_named():
+    stores = _stores(2, timeout_s=1.0)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"engine\(s\) \[1\] did not report 'kept:3:0' within 1s"):
+        Dealer(stores[0], 0, 2, 1.0).total("kept:3:0", 4)
+    assert time.monotonic() - start < 5

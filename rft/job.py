@@ -51,15 +51,21 @@ def run_rank(config: dict, master_port: int) -> dict:
 
 
 def _rank_name(config: dict) -> str:
-    """"trainer rank 0", "rollout rank 1": cheap, from the task's environment (no torch import)."""
+    """"trainer rank 0", "rollout rank 1", "rollout rank 2 (engine 1)": cheap, from the task's
+    environment (no torch import)."""
     import submitit
 
     rank = submitit.JobEnvironment().global_rank
     mode, trainers = config["mode"], config["cluster"]["trainer_ranks"]
     if mode == "bench":
         return f"bench rank {rank}"
-    role = "trainer" if mode == "train" or (mode != "explore" and rank < trainers) else "rollout"
-    return f"{role} rank {rank}"
+    if mode == "train" or (mode != "explore" and rank < trainers):
+        return f"trainer rank {rank}"
+    # with several engines, say which one (rft.cluster.engine_index, from the plain config)
+    span = config["rollout"]["tensor_parallel_size"] if config["cluster"]["gpus_per_node"] else 1
+    engines = config["cluster"]["rollout_ranks"] // max(span, 1)
+    role_rank = rank - (0 if mode == "explore" else trainers)
+    return f"rollout rank {rank}" + (f" (engine {role_rank // span})" if engines > 1 else "")
 
 
 def _slurm_job_id() -> str | None:

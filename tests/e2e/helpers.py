@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -32,3 +34,25 @@ def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:
         for tag in acc.Tags()["scalars"]:
             scalars.setdefault(tag, []).extend((e.step, e.value) for e in acc.Scalars(tag))
     return scalars
+
+
+def launch_until_step(overrides: list[str], run_dir, step: int) -> subprocess.Popen:
+    """Start the launcher in the background; return once its run has done `step` steps."""
+    launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while progress_step(run_dir) < step:
+        if launcher.poll() is not None or time.time() > deadline:
+            launcher.kill()
+            raise AssertionError(f"the run did not reach step {step}: {launcher.communicate()}")
+        time.sleep(0.2)
+    return launcher
+
+
+def progress_step(run_dir) -> int:
+    """Steps the run has done, from the launcher's progress file (0 before the first)."""
+    try:
+        with open(os.path.join(run_dir, "progress.json")) as f:
+            return json.load(f)["step"]
+    except (OSError, ValueError, KeyError):
+        return 0

@@ -3,10 +3,14 @@ ranks (rft/explorer/dealer.py deals each step's tasks to both, each writes its o
 trainer takes a step's shards from both, every sync reaches both)."""
 
 import json
+import os
+import signal
+import time
 from collections import defaultdict
 
 from rft.buffer.shards import ExperienceBuffer
-from tests.e2e.helpers import launch, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
+from tests.processes import alive
 
 SFT, GRPO = 300, 8
 
@@ -45,3 +49,28 @@ def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
     scalars = tensorboard_scalars(str(run_dir))
     assert len(scalars["eval/accuracy"]) == 4  # engine 0 logs the shared evaluation
     assert sorted(s for s, _ in scalars["loss/policy"])[-GRPO:] == list(range(SFT + 1, SFT + GRPO + 1))
+
+
+def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):
+    """Losing one of two engines ends the job at once (the default; a run that goes on without it is
+    not built yet), naming the engine, its rank and its log; the other engine goes with the job."""
+    run_dir = tmp_path / "run"
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+                 "cluster.rollout_ranks=2", "stages.0.trainer.max_steps=20", "stages.1.trainer.max_steps=200"]
+    launcher = launch_until_step(overrides, run_dir, 23)  # in GRPO: both engines are generating
+    try:
+        os.kill(int((run_dir / "pids" / "rank2.pid").read_text()), signal.SIGKILL)
+        killed = time.time()
+        out, err = launcher.communicate(timeout=120)
+        took = time.time() - killed
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 1
+    text = " ".join(out.split())
+    assert "rank 2 failed: rollout rank 2 (engine 1) was killed by SIGKILL" in text, out[-2000:]
+    assert f"log: {run_dir}/logs/" in text and "_2_log.err" in text
+    assert took < 30, took  # the launcher watches the ranks' processes, not a collective's timeout
+    assert "Traceback" not in out + err
+    for rank in range(3):  # nothing of the job is left running
+        assert not alive(int((run_dir / "pids" / f"rank{rank}.pid").read_text())), rank
+

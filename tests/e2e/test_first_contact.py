@@ -5,12 +5,9 @@ launch into a live run's directory."""
 import json
 import os
 import signal
-import subprocess
-import sys
-import time
 
 from rft.buffer.shards import ExperienceBuffer
-from tests.e2e.helpers import REPO, launch, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
 
 CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)
 # Trained, one row 20x the context made this rank reach 10.0 GiB in three SFT steps (attention over
@@ -64,7 +61,7 @@ def _kill_rollout_rank_mid_grpo(tmp_path, *extra: str) -> tuple[list[str], str]:
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
                  *_quickstart_data(tmp_path), f"stages.0.trainer.max_steps={SFT}", f"stages.1.trainer.max_steps={GRPO}",
                  *extra]
-    first = _launch_until_step(overrides, run_dir, SFT + 3)  # in GRPO: experience is on disk
+    first = launch_until_step(overrides, run_dir, SFT + 3)  # in GRPO: experience is on disk
     try:
         os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
         out, err = first.communicate(timeout=120)
@@ -118,7 +115,7 @@ def test_second_launch_into_a_live_run_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
                  *_quickstart_data(tmp_path), "stages.0.trainer.max_steps=5000"]
-    first = _launch_until_step(overrides, run_dir, 1)
+    first = launch_until_step(overrides, run_dir, 1)
     try:
         second = launch(*overrides, timeout=120)
         assert second.returncode == 2
@@ -133,23 +130,3 @@ def test_second_launch_into_a_live_run_is_refused(tmp_path):
     assert "interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
     assert "Traceback" not in out + err
     assert not (run_dir / "owner.json").exists()  # released: the next launch may take it
-
-
-def _launch_until_step(overrides: list[str], run_dir, step: int) -> subprocess.Popen:
-    """Start the launcher in the background; return once its run has done `step` steps."""
-    launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 300
-    while _progress_step(run_dir) < step:
-        if launcher.poll() is not None or time.time() > deadline:
-            launcher.kill()
-            raise AssertionError(f"the run did not reach step {step}: {launcher.communicate()}")
-        time.sleep(0.2)
-    return launcher
-
-
-def _progress_step(run_dir) -> int:
-    try:
-        return json.loads((run_dir / "progress.json").read_text())["step"]
-    except (OSError, ValueError, KeyError):
-        return 0

@@ -11,22 +11,36 @@ from helpers import launch  # noqa: E402
 SFT_STEPS, GRPO_STEPS = 1500, 40
 
 
-def test_quickstart_runs_and_learns_on_slurm(slurm, tmp_path):
+def test_quickstart_with_two_engines_runs_and_learns_on_slurm(slurm, tmp_path):
+    """One trainer and two vLLM engines as three tasks of one Slurm job; it learns as a local run
+    does, and Slurm's accounting shows the three tasks."""
+    import subprocess
+    import time
+
     run_dir = tmp_path / "run"
     result = launch("+experiment=quickstart", "cluster=slurm", "cluster.wait=true", f"run.output_dir={run_dir}",
-                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}")
+                    "cluster.rollout_ranks=2", f"stages.0.trainer.max_steps={SFT_STEPS}",
+                    f"stages.1.trainer.max_steps={GRPO_STEPS}")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "submitted job" in result.stdout and "tensorboard --logdir" in result.stdout
+    assert "engine 1: rank 2 on node 0 of 1" in " ".join(result.stdout.replace("│", " ").split())
     job_id = result.stdout.split("submitted job ")[1].split()[0]
-    # both ranks ran as tasks of that Slurm job (submitit's per-task logs), on the Slurm node
-    for rank in (0, 1):
+    # every rank ran as a task of that Slurm job (submitit's per-task logs), on the Slurm node
+    for rank in (0, 1, 2):
         log = (run_dir / "logs" / f"{job_id}_{rank}_log.out").read_text()
-        assert f"rank {rank}/2" in log
+        assert f"rank {rank}/3" in log
     evals = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
     after_sft = [e["accuracy"] for e in evals if e["stage"] == "sft" and e["when"] == "end"][0]
     end = [e["accuracy"] for e in evals if e["stage"] == "grpo" and e["when"] == "end"][0]
     assert after_sft >= 0.15, f"SFT warm-up reached only {after_sft:.2f}"
     assert end >= after_sft + 0.05, f"GRPO did not raise accuracy on Slurm: {after_sft:.3f} -> {end:.3f}"
+    for _ in range(30):  # slurmdbd records the job just after Slurm stops listing it
+        steps = subprocess.run(["sacct", "-j", job_id, "-n", "-P", "-o", "JobID,NTasks,State"],
+                               capture_output=True, text=True, check=True).stdout.split()
+        if f"{job_id}.0|3|COMPLETED" in steps:
+            break
+        time.sleep(1)
+    assert f"{job_id}.0|3|COMPLETED" in steps, steps  # the job's step: three tasks, completed
 
 
 def test_submit_without_wait_returns_the_job_id(slurm, tmp_path):

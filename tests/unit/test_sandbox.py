@@ -14,6 +14,7 @@ import pytest
 
 from rft.explorer.envs import sandbox
 from rft.explorer.envs.sandbox import SandboxResult, isolation_layers, run_python
+from tests.processes import alive
 
 LAYERS = isolation_layers()
 needs_landlock = pytest.mark.skipif("landlock" not in LAYERS, reason="the kernel has no Landlock")
@@ -118,18 +119,9 @@ def test_timeout_kills_the_whole_process_group(no_audit_hook: None) -> None:
     assert result.timed_out
     grandchild = int(result.stdout.split()[0])
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and _alive(grandchild):
+    while time.monotonic() < deadline and alive(grandchild):
         time.sleep(0.05)
-    assert not _alive(grandchild)
-
-
-def _alive(pid: int) -> bool:
-    """Running (a zombie waiting for init to reap it is dead)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert not alive(grandchild)
 
 
 def test_memory_hog_fails_cleanly_within_the_limit() -> None:

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from rft.runtime.supervisor import RankKilledError, death_message, run_supervised
+from tests.processes import alive
 
 
 def test_result_comes_back():
@@ -112,7 +113,7 @@ def test_child_dies_with_its_supervisor(tmp_path):
         task.kill()
         task.wait()
         deadline = time.time() + 10
-        while _alive(child):
+        while alive(child):
             assert time.time() < deadline, "the rank outlived its supervisor"
             time.sleep(0.05)
     finally:
@@ -133,14 +134,7 @@ def test_what_a_killed_rank_started_goes_with_it(tmp_path):
         run_supervised(rank_with_a_helper, "rollout rank 1")
     helper = int(pid_file.read_text())
     deadline = time.time() + 10
-    while _alive(helper):
+    while alive(helper):
         assert time.time() < deadline, "the killed rank's subprocess outlived it"
         time.sleep(0.05)
 
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has already died
-    except FileNotFoundError:
-        return False

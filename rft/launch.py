@@ -220,7 +220,15 @@ def _resolved_config(cfg: RFTConfig) -> dict:
 def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
     from rft.monitor import write_json_atomic
-    from rft.report import build_summary, console, job_watch, print_summary, wait_until_gone, watch
+    from rft.report import (
+        build_summary,
+        console,
+        job_watch,
+        print_summary,
+        stop_local_ranks,
+        wait_until_gone,
+        watch,
+    )
 
     world = world_size(cfg)
     on_slurm = cfg.cluster.kind == "slurm"
@@ -238,6 +246,8 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     finally:
         if not done():
             job.cancel()
+            if not on_slurm:  # Slurm ends every process of a cancelled job; a local cancel does not
+                stop_local_ranks(cfg.run.output_dir, log_dir, world)
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
         return 1

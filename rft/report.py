@@ -6,6 +6,7 @@ import json
 import os
 import pickle
 import re
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -71,6 +72,49 @@ def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
         return True if True in states else (None if states == [None, None] else False)
 
     return alive
+
+
+def stop_local_ranks(run_dir: str, log_dir: str, world_size: int, wait_s: float = 30.0) -> list[int]:
+    """After a local job failed or was interrupted: SIGKILL every rank's process group (the rank
+    and what it started, vLLM's engine process included: rft/runtime/supervisor.py) and wait
+    until they are gone. submitit's cancel alone left ranks running (a rank ignores SIGTERM, as
+    Slurm's requeue needs): a trainer of the failed launch lived on for half a minute and trained
+    on experience the next launch into the same directory had written. Returns the ranks stopped.
+
+    Only processes whose command line names this job's log directory are touched, so a pid file
+    left from an earlier attempt never kills an unrelated process that reuses its number."""
+    from rft.job import pid_path
+
+    stopped, pids = [], []
+    for rank in range(world_size):
+        for path in (pid_path(run_dir, rank), pid_path(run_dir, rank, supervisor=True)):
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip())
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if os.path.abspath(log_dir).encode() not in f.read():
+                        continue
+                if path == pid_path(run_dir, rank):
+                    os.killpg(pid, signal.SIGKILL)  # the rank leads a process group of its own
+                else:
+                    os.kill(pid, signal.SIGKILL)  # its supervising task
+            except (OSError, ValueError):
+                continue  # gone already, or never started
+            pids.append(pid)
+            stopped.append(rank)
+    deadline = time.monotonic() + wait_s
+    while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sorted(set(stopped))
+
+
+def process_running(pid: int) -> bool:
+    """Alive and not a zombie (a killed process its parent has not reaped yet has died)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 _WARNED: set[str] = set()

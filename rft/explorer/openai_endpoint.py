@@ -132,10 +132,11 @@ class RecordingEngine:
         session = _CURRENT.get()
         if session is not None and sampling_params.logprobs is None:
             sampling_params.logprobs = 0  # the sampled token's logprob; the response shows none unless asked
-        version, final = self._engine.version, None
-        async for output in self._engine.llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
-            final = output
-            yield output
+        async with self._engine.request_slot():  # a weight update waits for it (RolloutEngine.updating_weights)
+            version, final = self._engine.version, None
+            async for output in self._engine.llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
+                final = output
+                yield output
         if session is None or final is None or not final.finished:
             return
         for completion in final.outputs:

@@ -149,6 +149,10 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.name, self.max_model_len, self.version, self.in_flight = name, max_model_len, 0, 0
+        # requests are admitted while `_admitting` is set; `_idle` is set while none is in flight
+        self._admitting, self._idle = asyncio.Event(), asyncio.Event()
+        self._admitting.set()
+        self._idle.set()
         kwargs = dict(model=model.path, dtype=model.dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=rollout.max_num_seqs, tensor_parallel_size=rollout.tensor_parallel_size,
                       worker_extension_cls="rft.explorer.vllm_engine.WeightReceiver",
@@ -186,13 +190,10 @@ class RolloutEngine:
         # one final output per request: with n > 1 vLLM otherwise streams one sample per output
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's logprob
-        self.in_flight += 1
-        try:
+        async with self.request_slot():
             final = None
             async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex):
                 final = out
-        finally:
-            self.in_flight -= 1
         return [Completion(token_ids=list(c.token_ids),
                            logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
                            text=c.text, finish_reason=c.finish_reason or "length")
@@ -212,19 +213,54 @@ class RolloutEngine:
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
         """
-        replies = self.collective_rpc("rft_receive_weights", (apply,))
-        start = time.perf_counter()
-        if not apply:
-            return float(replies[0][1])
-        self.version = int(replies[0][0])
-        # Cached KV blocks were computed by the old weights; drop them.
-        self.run(self.llm.reset_prefix_cache())
-        return float(replies[0][1]) + time.perf_counter() - start
+        with self.updating_weights():
+            replies = self.collective_rpc("rft_receive_weights", (apply,))
+            start = time.perf_counter()
+            if apply:
+                self.version = int(replies[0][0])
+                self.run(self.llm.reset_prefix_cache())  # cached KV blocks came from the old weights
+        return float(replies[0][1]) + (time.perf_counter() - start if apply else 0.0)
 
     def load_hf_dir(self, path: str) -> None:
         """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's)."""
-        self.collective_rpc("rft_load_hf_dir", (path,))
-        self.run(self.llm.reset_prefix_cache())
+        with self.updating_weights():
+            self.collective_rpc("rft_load_hf_dir", (path,))
+            self.run(self.llm.reset_prefix_cache())
+
+    @contextlib.asynccontextmanager
+    async def request_slot(self):
+        """Every request to the engine runs inside one: admitted unless weights are being
+        updated, counted while in flight."""
+        await self._admitting.wait()
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self._idle.set()
+
+    @contextlib.contextmanager
+    def updating_weights(self):
+        """Requests in flight finish on the weights they started with; requests that arrive
+        meanwhile (an agent on the OpenAI endpoint) wait and run on the new weights. Between a
+        run's steps nothing is in flight: no cost there. (vLLM 0.32's own pause_generation in
+        "wait" mode returned on CPU while a request was still generating, so rft drains its
+        requests itself.)"""
+
+        async def drain() -> None:
+            self._admitting.clear()
+            await self._idle.wait()
+
+        async def admit() -> None:
+            self._admitting.set()
+
+        self.run(drain())
+        try:
+            yield
+        finally:
+            self.run(admit())
 
     def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
         """log p(token t | tokens < t) under the served weights for t >= 1 of each sequence

@@ -9,8 +9,8 @@ import time
 from collections import defaultdict
 
 from rft.buffer.shards import ExperienceBuffer
+from rft.report import process_running as alive
 from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
-from tests.processes import alive
 
 SFT, GRPO = 300, 8
 

@@ -7,6 +7,7 @@ import os
 import signal
 
 from rft.buffer.shards import ExperienceBuffer
+from rft.report import process_running as alive
 from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
 
 CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)
@@ -68,6 +69,8 @@ def _kill_rollout_rank_mid_grpo(tmp_path, *extra: str) -> tuple[list[str], str]:
     finally:
         first.kill()
     assert first.returncode == 1
+    # nothing of the failed launch lives on (its trainer once trained on the next launch's experience)
+    assert not any(alive(int((run_dir / "pids" / f"rank{r}.pid").read_text())) for r in (0, 1))
     assert "rank 1 failed: rollout rank 1 was killed by SIGKILL (signal 9; its memory peaked at" in out
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err  # the message only
     return overrides, out

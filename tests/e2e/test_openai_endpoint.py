@@ -97,3 +97,37 @@ def test_an_external_agents_sessions_become_experience(engine):
             assert rows[0].turns == 2 and rows[0].token_ids[:len(calls[1]["prompt_ids"])] == calls[1]["prompt_ids"]
         else:  # the server re-tokenized the appended text differently: the second call is a row of its own
             assert [r.token_ids[:r.prompt_length] for r in rows] == [c["prompt_ids"] for c in calls]
+
+
+def test_a_request_in_flight_finishes_on_the_weights_it_started_with(engine, tmp_path):
+    """A weight update while an agent's request is generating: the request completes on the old
+    weights (its logprobs are the old model's), the update is loaded after it."""
+    import glob
+    import os
+    import threading
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm import SamplingParams
+
+    (original,) = glob.glob(os.path.join(engine.llm.model_config.model, "*.safetensors"))
+    weights = load_file(original)
+    torch.manual_seed(0)
+    save_file({k: v + 0.05 * torch.randn_like(v) for k, v in weights.items()}, str(tmp_path / "model.safetensors"))
+    prompt = [5, 6, 14, 7, 8, 17]
+    params = SamplingParams(n=48, max_tokens=50, temperature=1.0, ignore_eos=True, seed=1)
+    result = {}
+    request = threading.Thread(target=lambda: result.update(out=engine.run(engine.generate(prompt, params))))
+    request.start()
+    while engine.in_flight == 0:
+        pass
+    engine.load_hf_dir(str(tmp_path))  # blocks until the request has drained and the update is loaded
+    assert engine.in_flight == 0  # the request was done generating before the update returned
+    request.join()
+    samples = result["out"][:4]
+    after = [engine.prompt_logprobs([prompt + c.token_ids])[0][-len(c.token_ids):] for c in samples]
+    engine.load_hf_dir(os.path.dirname(original))
+    before = [engine.prompt_logprobs([prompt + c.token_ids])[0][-len(c.token_ids):] for c in samples]
+    for sample, old, new in zip(samples, before, after):
+        assert max(abs(a - b) for a, b in zip(sample.logprobs, old)) < 1e-3  # sampled by the old weights
+        assert max(abs(a - b) for a, b in zip(sample.logprobs, new)) > 1e-2  # not by the new ones

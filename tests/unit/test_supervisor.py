@@ -11,8 +11,8 @@ import time
 
 import pytest
 
+from rft.report import process_running as alive
 from rft.runtime.supervisor import RankKilledError, death_message, run_supervised
-from tests.processes import alive
 
 
 def test_result_comes_back():

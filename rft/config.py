@@ -133,6 +133,8 @@ class RolloutConfig:
     max_concurrent_tasks: int = 256  # trajectories in flight at once (a workflow waiting on a tool holds one)
     task_timeout_s: float = 600.0  # a workflow try running longer is cancelled (and retried)
     max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
+    openai_api: bool = False  # every engine also serves vLLM's OpenAI API; rewarded sessions join the step's experience
+    openai_port: int = 0  # engine e listens on openai_port + e (0: any free port); URLs in <run>/endpoints.json
 
 
 @dataclass

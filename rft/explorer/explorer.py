@@ -28,6 +28,7 @@ from rft.config import RFTConfig, context_length, needs_rollouts
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
 from rft.explorer.model_client import Sampling
+from rft.explorer.openai_endpoint import OpenAIEndpoint, session_experiences
 from rft.explorer.runner import Outcome, WorkflowRunner
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
@@ -63,6 +64,8 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
                 explorer.evaluate(stage, "interval", step.global_step)
         explorer.evaluate(stage, "end", stage.start + stage.cfg.trainer.max_steps)
         explorer.end()
+    if explorer.endpoint is not None:
+        explorer.endpoint.close()
     for engine in engines:
         engine.close()
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
@@ -92,6 +95,41 @@ class Explorer:
         self.runner: WorkflowRunner | None = None
         self.cursor: TaskCursor | None = None
         self.eval_tasks: list[Task] = []
+        self.endpoint = self._serve_openai_api() if cfg.rollout.openai_api else None
+
+    def _serve_openai_api(self) -> OpenAIEndpoint:
+        """rollout.openai_api: this engine serves vLLM's OpenAI API for agents outside the run, on
+        this node's address (127.0.0.1 for a local run), never on every interface; one token per
+        run, made by engine 0 and shared through the control store; engine 0 writes
+        <run>/endpoints.json (owner-only) with every engine's URL."""
+        import secrets
+        import socket
+
+        from rft.cluster import free_port
+        from rft.explorer.openai_endpoint import write_endpoints
+
+        cfg = self.cfg
+        token = self.dealer.gather("openai-token", secrets.token_urlsafe(32) if self.engine == 0 else None)[0]
+        host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
+        port = cfg.rollout.openai_port + self.engine if cfg.rollout.openai_port else free_port()
+        endpoint = OpenAIEndpoint(self.engines[0], host, port, token)
+        endpoint.start()
+        urls = self.dealer.gather("openai-urls", endpoint.url)
+        if self.engine == 0:
+            write_endpoints(os.path.join(cfg.run.output_dir, "endpoints.json"), token, urls, endpoint.served_name)
+        print(f"engine {self.engine}: OpenAI-compatible endpoint at {endpoint.url} (token in "
+              f"{os.path.join(cfg.run.output_dir, 'endpoints.json')})", flush=True)
+        return endpoint
+
+    def _sessions(self) -> list[Experience]:
+        """The endpoint's sessions rewarded since the last step, as experience (their groups
+        named `session:<group>` beside the workflow's)."""
+        if self.endpoint is None:
+            return []
+        rows = [row for session in self.endpoint.sessions.take_rewarded() for row in session_experiences(session)]
+        for row in rows:
+            row.group_id = f"session:{row.group_id}"
+        return rows
 
     # ---- a stage -----------------------------------------------------------------------------
 
@@ -146,6 +184,8 @@ class Explorer:
 
         experiences, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
                                                  rollout.tasks_per_step, rollout.max_sampling_rounds, kept_by_all)
+        sessions = self._sessions()  # rollout.openai_api: what agents outside the run finished
+        experiences += sessions
         generated = time.time()
         self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.info.rank,
                           version=self.version.value)
@@ -155,7 +195,8 @@ class Explorer:
                                   failed_samples=sum(o.failed for o in outcomes))
         return {"timing/rollout_s": generated - start, "timing/buffer_write_s": written - generated,
                 "perf/tokens_per_s": sum(e.sampled_tokens for e in experiences) / max(generated - start, 1e-9),
-                **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats}
+                **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats,
+                **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {})}
 
     def receive_weights(self) -> float:
         """Take the weights the trainer publishes now; the seconds the engines spent loading them."""

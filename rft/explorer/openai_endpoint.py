@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import json
+import os
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -235,3 +236,17 @@ class OpenAIEndpoint:
             self._server.should_exit = True
             self.engine.run(asyncio.wait_for(self._task, 30))
             self._server = None
+
+
+def write_endpoints(path: str, token: str, urls: list[str], served_name: str) -> None:
+    """`<run>/endpoints.json`: the URLs and the run's token, readable by its owner only (written to
+    a temporary file created 0600, then renamed: never readable by others, never half-written)."""
+    payload = {"token": token, "model": served_name,
+               "endpoints": [{"engine": e, "url": url} for e, url in enumerate(urls)],
+               "headers": {"session": "X-RFT-Session", "group": "X-RFT-Group"},
+               "reward": "POST <url without /v1>/rft/v1/sessions/{id}/reward {\"reward\": <number>}"}
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(payload, f, indent=1)
+    os.replace(tmp, path)

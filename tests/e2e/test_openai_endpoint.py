@@ -131,3 +131,75 @@ def test_a_request_in_flight_finishes_on_the_weights_it_started_with(engine, tmp
     for sample, old, new in zip(samples, before, after):
         assert max(abs(a - b) for a, b in zip(sample.logprobs, old)) < 1e-3  # sampled by the old weights
         assert max(abs(a - b) for a, b in zip(sample.logprobs, new)) > 1e-2  # not by the new ones
+
+
+RUN_AGENT = textwrap.dedent("""
+    import json, sys, time
+    import httpx
+    from openai import OpenAI
+
+    run_dir = sys.argv[1]
+    endpoints = json.load(open(run_dir + "/endpoints.json"))
+    url, token = endpoints["endpoints"][0]["url"], endpoints["token"]
+    client = OpenAI(base_url=url, api_key=token)
+
+    def session(name, reward):
+        prompt = "23+45="
+        for turn in range(2):
+            out = client.completions.create(model=endpoints["model"], prompt=prompt, max_tokens=3,
+                                            temperature=1.0, extra_headers={"X-RFT-Session": name,
+                                                                            "X-RFT-Group": "agent-task"})
+            prompt += out.choices[0].text + " and "
+        httpx.post(url.removesuffix("/v1") + f"/rft/v1/sessions/{name}/reward", json={"reward": reward},
+                   headers={"Authorization": f"Bearer {token}"}).raise_for_status()
+
+    session("a", 1.0)
+    session("b", 0.0)
+    time.sleep(4)  # several training steps (and weight syncs) pass
+    session("c", 1.0)
+    session("d", 0.0)
+    print("agent done")
+""")
+
+
+def test_an_agents_sessions_are_trained_on_in_a_run_and_later_calls_see_newer_weights(tmp_path):
+    import os
+    import stat
+
+    from rft.buffer.experience import from_table
+    from rft.buffer.shards import ExperienceBuffer
+    from tests.e2e.helpers import launch_until_step
+
+    run_dir = tmp_path / "run"
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+                 "rollout.openai_api=true", "rollout.tasks_per_step=8", "stages.0.trainer.max_steps=20",
+                 "stages.1.trainer.max_steps=40"]
+    launcher = launch_until_step(overrides, run_dir, 21)  # in GRPO: every step trains and syncs weights
+    try:
+        mode = stat.S_IMODE(os.stat(run_dir / "endpoints.json").st_mode)
+        assert mode == 0o600, oct(mode)  # the token is the owner's only
+        assert json.loads((run_dir / "endpoints.json").read_text())["endpoints"][0]["url"].startswith(
+            "http://127.0.0.1:")  # a local run binds to localhost, never to every interface
+        agent = subprocess.run([sys.executable, "-c", RUN_AGENT, str(run_dir)], capture_output=True, text=True,
+                               timeout=300)
+        assert agent.returncode == 0, agent.stderr[-3000:]
+        out, err = launcher.communicate(timeout=600)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    assert "OpenAI-compatible endpoint at http://127.0.0.1:" in (run_dir / "logs").joinpath(
+        next(p for p in os.listdir(run_dir / "logs") if p.endswith("_1_log.out"))).read_text()
+
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    rows = {}
+    for name in buffer.consumed():  # what the trainer trained on
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(run_dir / "buffer" / f"{name}.done")
+        for exp in from_table(table):
+            if exp.group_id == "session:agent-task":
+                rows.setdefault(exp.trajectory_id, []).append(exp)
+    assert sorted(rows) == ["a", "b", "c", "d"], sorted(rows)  # every session trained on, once
+    version = {name: min(e.version for e in exps) for name, exps in rows.items()}
+    assert min(version["c"], version["d"]) > max(version["a"], version["b"]), version  # newer weights later
+    assert {name: exps[0].reward for name, exps in rows.items()} == {"a": 1.0, "b": 0.0, "c": 1.0, "d": 0.0}

@@ -43,12 +43,14 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     """Explore every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
     started = time.time()
     stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
+    # one engine per rank; the job's engines share each step's tasks (rft/explorer/dealer.py)
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
-                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread())]  # one per rank; the job's engines share tasks (dealer.py)
+                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread())]
     stop.install()
     runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
+    # startup overlaps the trainer's first steps
     runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
-                         reward_errors=0, failed_samples=0, eval_samples=0)  # startup overlaps the trainer's first steps
+                         reward_errors=0, failed_samples=0, eval_samples=0)
     explorer = Explorer(cfg, info, engines, runtime)
     for stage in runtime.stages():
         explorer.begin(stage)

@@ -14,8 +14,9 @@ elastic agent does for its workers:
 The child gets SIGKILL if the task process dies first (PR_SET_PDEATHSIG), so a cancelled job
 leaves no orphan. The child leads a process group of its own, and whatever is left in it once the
 child has ended (vLLM's engine process, reward or tool subprocesses of a rank killed by -9, which
-would otherwise live on holding memory and cores) is killed with it. The message names the signal, the child's peak memory and, where the cgroup's
-memory.events counts one, that the OOM killer did it.
+would otherwise live on holding memory and cores) is killed with it. The message names the
+signal, the child's peak memory and, where the cgroup's memory.events counts one, that the OOM
+killer did it.
 """
 
 from __future__ import annotations

@@ -130,24 +130,33 @@ class RecordingEngine:
         return getattr(self._engine.llm, name)
 
     async def generate(self, prompt, sampling_params, request_id, *args, **kwargs) -> AsyncIterator:
+        from vllm.sampling_params import RequestOutputKind
+
         session = _CURRENT.get()
         if session is not None and sampling_params.logprobs is None:
             sampling_params.logprobs = 0  # the sampled token's logprob; the response shows none unless asked
+        # a streamed request (stream=true) comes as deltas: the completion is their concatenation
+        delta = sampling_params.output_kind == RequestOutputKind.DELTA
+        prompt_ids, finish, completions = None, {}, {}  # index -> [ids, logprobs, text]
         async with self._engine.request_slot():  # a weight update waits for it (RolloutEngine.updating_weights)
-            version, final = self._engine.version, None
+            version = self._engine.version
             async for output in self._engine.llm.generate(prompt, sampling_params, request_id, *args, **kwargs):
-                final = output
+                prompt_ids = prompt_ids or output.prompt_token_ids
+                for c in output.outputs:
+                    ids = list(c.token_ids)
+                    logprobs = [float(step[token].logprob) for step, token in zip(c.logprobs or [], ids)]
+                    seen = completions.setdefault(c.index, [[], [], ""])
+                    completions[c.index] = [seen[0] + ids, seen[1] + logprobs, seen[2] + c.text] if delta \
+                        else [ids, logprobs, c.text]
+                    finish[c.index] = c.finish_reason
                 yield output
-        if session is None or final is None or not final.finished:
-            return
-        for completion in final.outputs:
-            ids = list(completion.token_ids)
-            logprobs = [float(step[token].logprob) for step, token in zip(completion.logprobs or [], ids)]
-            if len(logprobs) != len(ids):
-                continue  # not sampled here (an echo or a prompt-only request): nothing to train
-            self._recorder.record(session[0], session[1], Call(
-                list(final.prompt_token_ids), ids, logprobs, completion.finish_reason or "length", version,
-                completion.text))
+        if session is None or not all(finish.values()):
+            return  # not a session's call, or cut short (client gone): nothing to train on
+        for index, (ids, logprobs, text) in sorted(completions.items()):
+            if len(logprobs) != len(ids) or not ids:
+                continue  # not sampled here (an echo or a prompt-only request)
+            self._recorder.record(session[0], session[1], Call(list(prompt_ids), ids, logprobs, finish[index],
+                                                               version, text))
 
 
 class OpenAIEndpoint:

@@ -35,6 +35,12 @@ AGENT = textwrap.dedent("""
                             json={"reward": 1.0 if session == "a" else 0.0},
                             headers={"Authorization": f"Bearer {token}"})
         reward.raise_for_status()
+    streamed = client.completions.create(model="policy", prompt="5+6=", max_tokens=4, stream=True,
+                                         extra_headers={"X-RFT-Session": "streamed"})
+    turns.append({"session": "streamed", "text": "".join(chunk.choices[0].text for chunk in streamed)})
+    reward = httpx.post(url.removesuffix("/v1") + "/rft/v1/sessions/streamed/reward", json={"reward": 0.5},
+                        headers={"Authorization": f"Bearer {token}"})
+    reward.raise_for_status()
     client.completions.create(model="policy", prompt="1+1=", max_tokens=2)  # no session: not recorded
     try:
         OpenAI(base_url=url, api_key="wrong").completions.create(model="policy", prompt="1", max_tokens=1)
@@ -77,6 +83,10 @@ def test_an_external_agents_sessions_become_experience(engine):
     assert wrong_token == "AuthenticationError" and unauthorised_reward == 401
 
     sessions = sorted(endpoint.sessions.take_rewarded(), key=lambda s: s.id)
+    streamed = sessions.pop()  # a streamed call is recorded whole: the concatenation of its chunks
+    assert (streamed.id, streamed.reward, len(streamed.calls)) == ("streamed", 0.5, 1)
+    assert streamed.calls[0].text == turns.pop()["text"]
+    assert 1 <= len(streamed.calls[0].token_ids) == len(streamed.calls[0].logprobs) <= 4
     assert [(s.id, s.group, s.reward, len(s.calls)) for s in sessions] == [("a", "task-7", 1.0, 2),
                                                                             ("b", "task-7", 0.0, 2)]
     assert endpoint.sessions.open_sessions() == 0  # the session-less call was served, not recorded

@@ -250,7 +250,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
                         TextColumn("ETA"), TimeRemainingColumn(), console=console,
                         disable=not show_progress)
-    beat = 0.0
+    beat, shown_endpoints = 0.0, False
     with progress:
         bar = progress.add_task("run", total=None, stage="starting", reward="-")
         while not done():
@@ -260,6 +260,12 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
             failure = find_failure(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
             if failure is not None:
                 return failure
+            endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))
+            if endpoints:  # rollout.openai_api: say where agents can reach the policy, once
+                shown_endpoints = True
+                urls = ", ".join(e["url"] for e in endpoints["endpoints"])
+                console.print(f"OpenAI-compatible endpoint(s): {urls} (model {endpoints['model']}; token and "
+                              f"headers in {os.path.join(run_dir, 'endpoints.json')})", soft_wrap=True)
             state = _read_json(progress_path(run_dir))
             if state:
                 reward = state.get("reward")

@@ -197,6 +197,7 @@ def test_an_agents_sessions_are_trained_on_in_a_run_and_later_calls_see_newer_we
     finally:
         launcher.kill()
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    assert "OpenAI-compatible endpoint(s): http://127.0.0.1:" in out and str(run_dir / "endpoints.json") in out
     assert "OpenAI-compatible endpoint at http://127.0.0.1:" in (run_dir / "logs").joinpath(
         next(p for p in os.listdir(run_dir / "logs") if p.endswith("_1_log.out"))).read_text()
 

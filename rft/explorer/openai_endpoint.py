@@ -28,6 +28,7 @@ import asyncio
 import contextvars
 import json
 import os
+import socket
 import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -192,11 +193,20 @@ class OpenAIEndpoint:
         config = uvicorn.Config(self._wrap(app), host=self.host, port=self.port, log_level="warning",
                                 lifespan="off")
         self._server = uvicorn.Server(config)
+        # bind here: uvicorn answers a taken port with sys.exit, which would stop the engine's loop
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((self.host, self.port))
+        except OSError as err:
+            sock.close()
+            raise RuntimeError(f"could not serve the OpenAI endpoint on {self.host}:{self.port}: {err.strerror} "
+                               "(set rollout.openai_port to free ports, or 0 for any)") from None
         # on the engine's own loop: uvicorn sees it is not the main thread and leaves signals alone
-        self._task = asyncio.get_running_loop().create_task(self._server.serve())
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
-                self._task.result()  # raises why it could not start (port taken, ...)
+                raise RuntimeError(f"the OpenAI endpoint on {self.host}:{self.port} stopped while starting")
             await asyncio.sleep(0.01)
 
     def _wrap(self, app):

@@ -214,3 +214,16 @@ def test_an_agents_sessions_are_trained_on_in_a_run_and_later_calls_see_newer_we
     version = {name: min(e.version for e in exps) for name, exps in rows.items()}
     assert min(version["c"], version["d"]) > max(version["a"], version["b"]), version  # newer weights later
     assert {name: exps[0].reward for name, exps in rows.items()} == {"a": 1.0, "b": 0.0, "c": 1.0, "d": 0.0}
+
+
+def test_a_port_in_use_is_named(engine):
+    import socket
+
+    from rft.explorer.openai_endpoint import OpenAIEndpoint
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"could not serve the OpenAI endpoint on 127.0.0.1:{port}"):
+            OpenAIEndpoint(engine, "127.0.0.1", port, "token").start()

@@ -44,6 +44,14 @@ def test_unknown_key_in_stage_override_names_the_stage(tmp_path):
         stage_configs(cfg)
 
 
+def _small_tasksets(tmp_path) -> list[str]:
+    """Tasksets in place of GSM8K's, so these checks do not depend on ../shared/data/gsm8k being
+    next to the checkout (it is not in every CI clone)."""
+    for name in ("train.jsonl", "test.jsonl"):
+        (tmp_path / name).write_text('{"question": "1+1=", "answer": "2"}\n')
+    return [f"data.train_path={tmp_path / 'train.jsonl'}", f"data.eval_path={tmp_path / 'test.jsonl'}"]
+
+
 @pytest.mark.parametrize("override, key", [
     ("algorithm.group_size=1", "algorithm.group_size"),
     ("algorithm.clip_eps=1.5", "algorithm.clip_eps"),
@@ -58,7 +66,7 @@ def test_unknown_key_in_stage_override_names_the_stage(tmp_path):
 ])
 def test_bad_values_name_the_key(tmp_path, override, key):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",
-                      f"model.path={tmp_path}", override)
+                      f"model.path={tmp_path}", *_small_tasksets(tmp_path), override)
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(cfg)
@@ -105,7 +113,7 @@ def test_parallel_layout_must_fit_the_model(tmp_path, overrides, key, says):
     (tmp_path / "config.json").write_text(
         '{"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}')
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",
-                      f"model.path={tmp_path}", *overrides)
+                      f"model.path={tmp_path}", *_small_tasksets(tmp_path), *overrides)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
         validate(cfg)
     assert says in str(err.value)

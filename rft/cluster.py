@@ -108,9 +108,9 @@ def engine_span(cfg: RFTConfig) -> int:
     return cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
 
 
-def engine_count(cfg: RFTConfig, rollout_ranks: int | None = None) -> int:
+def engine_count(cfg: RFTConfig) -> int:
     """vLLM engines in the job: one per rollout group of `engine_span` tasks."""
-    return (cfg.cluster.rollout_ranks if rollout_ranks is None else rollout_ranks) // engine_span(cfg)
+    return cfg.cluster.rollout_ranks // engine_span(cfg)
 
 
 def engine_index(cfg: RFTConfig, info: RankInfo) -> int:
@@ -126,7 +126,7 @@ def engine_ranks(cfg: RFTConfig) -> list[list[int]]:
 
 def engine_leaders(cfg: RFTConfig, info: RankInfo) -> list[int]:
     """Global ranks that run an engine (and write experience shards), in engine order."""
-    return list(range(info.trainer_ranks, info.world_size, engine_span(cfg)))
+    return voting_ranks(cfg, info.trainer_ranks, info.world_size)[info.trainer_ranks:]
 
 
 def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:

@@ -43,10 +43,22 @@ def launch_until_step(overrides: list[str], run_dir, step: int) -> subprocess.Po
     deadline = time.time() + 300
     while progress_step(run_dir) < step:
         if launcher.poll() is not None or time.time() > deadline:
-            launcher.kill()
+            stop_launcher(launcher)
             raise AssertionError(f"the run did not reach step {step}: {launcher.communicate()}")
         time.sleep(0.2)
     return launcher
+
+
+def stop_launcher(launcher: subprocess.Popen) -> None:
+    """A test's cleanup: SIGTERM first (the launcher then stops its local ranks and vLLM engines;
+    a SIGKILL would orphan them for the rest of the suite), SIGKILL if that does not end it."""
+    if launcher.poll() is None:
+        launcher.terminate()
+        try:
+            launcher.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.wait()
 
 
 def progress_step(run_dir) -> int:

@@ -10,7 +10,7 @@ from collections import defaultdict
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.report import process_running as alive
-from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, stop_launcher, tensorboard_scalars
 
 SFT, GRPO = 300, 8
 
@@ -64,7 +64,7 @@ def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):
         out, err = launcher.communicate(timeout=120)
         took = time.time() - killed
     finally:
-        launcher.kill()
+        stop_launcher(launcher)
     assert launcher.returncode == 1
     text = " ".join(out.split())
     assert "rank 2 failed: rollout rank 2 (engine 1) was killed by SIGKILL" in text, out[-2000:]

@@ -8,7 +8,7 @@ import signal
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.report import process_running as alive
-from tests.e2e.helpers import launch, launch_until_step, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, stop_launcher, tensorboard_scalars
 
 CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)
 # Trained, one row 20x the context made this rank reach 10.0 GiB in three SFT steps (attention over
@@ -67,7 +67,7 @@ def _kill_rollout_rank_mid_grpo(tmp_path, *extra: str) -> tuple[list[str], str]:
         os.kill(int((run_dir / "pids" / "rank1.pid").read_text()), signal.SIGKILL)
         out, err = first.communicate(timeout=120)
     finally:
-        first.kill()
+        stop_launcher(first)
     assert first.returncode == 1
     # nothing of the failed launch lives on (its trainer once trained on the next launch's experience)
     assert not any(alive(int((run_dir / "pids" / f"rank{r}.pid").read_text())) for r in (0, 1))
@@ -128,7 +128,7 @@ def test_second_launch_into_a_live_run_is_refused(tmp_path):
         first.send_signal(signal.SIGINT)  # Ctrl-C
         out, err = first.communicate(timeout=120)
     finally:
-        first.kill()
+        stop_launcher(first)
     assert first.returncode == 130
     assert "interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
     assert "Traceback" not in out + err

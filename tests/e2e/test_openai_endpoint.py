@@ -178,7 +178,7 @@ def test_an_agents_sessions_are_trained_on_in_a_run_and_later_calls_see_newer_we
 
     from rft.buffer.experience import from_table
     from rft.buffer.shards import ExperienceBuffer
-    from tests.e2e.helpers import launch_until_step
+    from tests.e2e.helpers import launch_until_step, stop_launcher
 
     run_dir = tmp_path / "run"
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
@@ -195,7 +195,7 @@ def test_an_agents_sessions_are_trained_on_in_a_run_and_later_calls_see_newer_we
         assert agent.returncode == 0, agent.stderr[-3000:]
         out, err = launcher.communicate(timeout=600)
     finally:
-        launcher.kill()
+        stop_launcher(launcher)
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
     assert "OpenAI-compatible endpoint(s): http://127.0.0.1:" in out and str(run_dir / "endpoints.json") in out
     assert "OpenAI-compatible endpoint at http://127.0.0.1:" in (run_dir / "logs").joinpath(

@@ -1,6 +1,7 @@
 """Ranks -> roles, and the process groups every rank creates in the same order.
 
-Global ranks [0, T) are trainer ranks, [T, T+R) rollout ranks. Each rank learns its role from
+Global ranks [0, T) are trainer ranks, [T, T+R) rollout ranks, [T+R, T+R+J) judge ranks (frozen
+vLLM engines rewards ask: rft/explorer/judge.py). Each rank learns its role from
 its rank (submitit launches one task per slot and has no heterogeneous jobs). Two groups exist:
   1. the trainer group: torch.distributed's default group over trainer ranks only (Megatron's
      parallel state lives on it); rollout ranks never join it, because vLLM owns the default
@@ -25,20 +26,24 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class RankInfo:
     rank: int  # global rank in the job
-    world_size: int  # trainer + rollout ranks
+    world_size: int  # trainer + rollout + judge ranks
     trainer_ranks: int
     rollout_ranks: int
     master_addr: str
     master_port: int  # trainer group; weight groups use master_port + 1, the control group + 2
+    judge_ranks: int = 0
 
     @property
     def role(self) -> str:
-        return "trainer" if self.rank < self.trainer_ranks else "rollout"
+        if self.rank < self.trainer_ranks:
+            return "trainer"
+        return "rollout" if self.rank < self.trainer_ranks + self.rollout_ranks else "judge"
 
     @property
     def role_rank(self) -> int:
-        """Rank within its role (trainer rank i, rollout rank j)."""
-        return self.rank if self.role == "trainer" else self.rank - self.trainer_ranks
+        """Rank within its role (trainer rank i, rollout rank j, judge rank k)."""
+        first = {"trainer": 0, "rollout": self.trainer_ranks, "judge": self.trainer_ranks + self.rollout_ranks}
+        return self.rank - first[self.role]
 
     @property
     def weight_port(self) -> int:
@@ -66,10 +71,10 @@ def rank_info_from_env(cluster: ClusterConfig, master_port: int) -> RankInfo:
     import submitit
 
     env = submitit.JobEnvironment()
-    world = cluster.trainer_ranks + cluster.rollout_ranks
+    world = cluster.trainer_ranks + cluster.rollout_ranks + cluster.judge_ranks
     if env.num_tasks != world:
         raise RuntimeError(f"job has {env.num_tasks} tasks but cluster.trainer_ranks + "
-                           f"cluster.rollout_ranks = {world}")
+                           f"cluster.rollout_ranks + cluster.judge_ranks = {world}")
     os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # GPU choice on multi-GPU nodes
     if cluster.kind == "local":
         addr = "127.0.0.1"
@@ -81,7 +86,8 @@ def rank_info_from_env(cluster: ClusterConfig, master_port: int) -> RankInfo:
         addr = env.hostnames[0]
         master_port = master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0"))
     return RankInfo(rank=env.global_rank, world_size=world, trainer_ranks=cluster.trainer_ranks,
-                    rollout_ranks=cluster.rollout_ranks, master_addr=addr, master_port=master_port)
+                    rollout_ranks=cluster.rollout_ranks, master_addr=addr, master_port=master_port,
+                    judge_ranks=cluster.judge_ranks)
 
 
 def init_trainer_group(info: RankInfo, timeout_s: float) -> None:
@@ -126,7 +132,7 @@ def engine_ranks(cfg: RFTConfig) -> list[list[int]]:
 
 def engine_leaders(cfg: RFTConfig, info: RankInfo) -> list[int]:
     """Global ranks that run an engine (and write experience shards), in engine order."""
-    return voting_ranks(cfg, info.trainer_ranks, info.world_size)[info.trainer_ranks:]
+    return voting_ranks(cfg, info.trainer_ranks, info.trainer_ranks + info.rollout_ranks)[info.trainer_ranks:]
 
 
 def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:
@@ -134,21 +140,29 @@ def is_engine_follower(cfg: RFTConfig, info: RankInfo) -> bool:
     return info.role == "rollout" and info.role_rank % engine_span(cfg) != 0
 
 
-def voting_ranks(cfg: RFTConfig, trainer_ranks: int, world_size: int) -> list[int]:
+def voting_ranks(cfg: RFTConfig, trainer_ranks: int, end: int) -> list[int]:
     """Global ranks that run a loop, vote at each step and save checkpoint files: trainer ranks
-    and engine leaders (an engine's followers only hold GPUs)."""
-    return list(range(trainer_ranks)) + list(range(trainer_ranks, world_size, engine_span(cfg)))
+    and engine leaders among the ranks before `end` (an engine's followers only hold GPUs; judge
+    ranks, after the rollout ranks, keep no state and never vote)."""
+    return list(range(trainer_ranks)) + list(range(trainer_ranks, end, engine_span(cfg)))
 
 
 def control_members(cfg: RFTConfig, info: RankInfo) -> list[int]:
-    return voting_ranks(cfg, info.trainer_ranks, info.world_size)
+    return voting_ranks(cfg, info.trainer_ranks, info.trainer_ranks + info.rollout_ranks)
 
 
-def engine_devices(cfg: RFTConfig) -> str:
+def is_judge_follower(cfg: RFTConfig, info: RankInfo) -> bool:
+    """A judge task that only holds a GPU for the judge engine its group's first task runs."""
+    from rft.config import judge_span
+
+    return info.role == "judge" and info.role_rank % judge_span(cfg) != 0
+
+
+def engine_devices(cfg: RFTConfig, span: int | None = None) -> str:
     """CUDA_VISIBLE_DEVICES for an engine leader on a GPU node: its own GPU and its followers'
-    (LOCAL_RANK .. LOCAL_RANK + span - 1 of what the task sees); check_request keeps an engine
-    inside one node."""
-    span, local = engine_span(cfg), int(os.environ.get("LOCAL_RANK", "0"))
+    (LOCAL_RANK .. LOCAL_RANK + span - 1 of what the task sees; span: the rollout engine's by
+    default, a judge engine's for judge ranks); check_request keeps an engine inside one node."""
+    span, local = span or engine_span(cfg), int(os.environ.get("LOCAL_RANK", "0"))
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(cfg.cluster.gpus_per_node)]
     return ",".join(devices[local:local + span])

@@ -105,7 +105,7 @@ class AlgorithmConfig:
     kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
     entropy_coef: float = 0.0  # entropy bonus weight
     dpo_beta: float = 0.1  # DPO: strength of the implicit KL to the reference (policy_loss=dpo, mode=train)
-    reward: str = "exact_match"  # exact_match | math_verify
+    reward: str = "exact_match"  # exact_match | math_verify | llm_judge (asks the judge engines) | dotted path
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0: no clipping)
@@ -135,6 +135,20 @@ class RolloutConfig:
     max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
     openai_api: bool = False  # every engine also serves vLLM's OpenAI API; rewarded sessions join the step's experience
     openai_port: int = 0  # engine e listens on openai_port + e (0: any free port); URLs in <run>/endpoints.json
+
+
+@dataclass
+class JudgeConfig:
+    """Frozen vLLM engines on `cluster.judge_ranks` that rewards ask (`await judge.chat(...)`)."""
+
+    model: Optional[str] = None  # HF model directory of the judge (None: the policy's starting weights, model.path)
+    tensor_parallel_size: int = 1  # vLLM TP per judge engine (on GPU nodes: tasks per judge engine)
+    timeout_s: float = 30.0  # a judge call slower than this fails (the reward scores 0, judge/timeouts counts it)
+    max_new_tokens: int = 64  # default length of a judge's answer
+    temperature: float = 0.0  # default sampling temperature of the judge (0: greedy)
+    kv_cache_gb: float = 1.0  # KV cache memory of each judge engine (CPU: GiB of RAM)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory a judge engine may use (GPU only)
+    max_num_seqs: int = 256  # vLLM scheduler batch limit: concurrent judge calls are batched up to this
 
 
 @dataclass
@@ -177,6 +191,7 @@ class ClusterConfig:
     kind: str = "auto"  # auto (slurm if sbatch is on PATH and the controller answers) | local | slurm
     trainer_ranks: int = 1  # ranks [0, T) train
     rollout_ranks: int = 1  # ranks [T, T+R) generate
+    judge_ranks: int = 0  # ranks [T+R, T+R+J) serve frozen judge engines (rft/explorer/judge.py; 0: none)
     timeout_min: int = 240  # wall-clock limit of the job
     master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
     wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)
@@ -238,6 +253,7 @@ class RFTConfig:
     data: DataConfig = field(default_factory=DataConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    judge: JudgeConfig = field(default_factory=JudgeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -466,12 +482,42 @@ def _check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
 
 
 def world_size(cfg: RFTConfig) -> int:
-    """Tasks the job runs: trainer + rollout ranks; only trainer ranks for mode=train, only rollout
-    ranks for mode=explore; one for mode=bench."""
+    """Tasks the job runs: trainer + rollout + judge ranks; only trainer ranks for mode=train, no
+    trainer ranks for mode=explore; one for mode=bench."""
     if cfg.mode == "bench":
         return 1
+    if cfg.mode == "train":
+        return cfg.cluster.trainer_ranks
     trainers = 0 if cfg.mode == "explore" else cfg.cluster.trainer_ranks
-    return trainers + (0 if cfg.mode == "train" else cfg.cluster.rollout_ranks)
+    return trainers + cfg.cluster.rollout_ranks + cfg.cluster.judge_ranks
+
+
+def judge_span(cfg: RFTConfig) -> int:
+    """Tasks one judge engine spans: its TP size on GPU nodes (a task per GPU), else 1."""
+    return cfg.judge.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
+
+
+def _check_judge(cfg: RFTConfig) -> None:
+    judges, span = cfg.cluster.judge_ranks, judge_span(cfg)
+    if judges < 0 or (judges and cfg.mode not in ("both", "explore")):
+        config_error("cluster.judge_ranks", judges, "use 0, or judge ranks in a run that explores (mode=both|explore)")
+    if cfg.judge.tensor_parallel_size < 1:
+        config_error("judge.tensor_parallel_size", cfg.judge.tensor_parallel_size, "use 1 or more")
+    if judges % span:
+        config_error("cluster.judge_ranks", judges, f"must be a multiple of judge.tensor_parallel_size={span}: "
+                     "on GPU nodes a judge engine takes one task (one GPU) per TP rank")
+    if not cfg.judge.timeout_s > 0:
+        config_error("judge.timeout_s", cfg.judge.timeout_s, "use a positive number of seconds")
+    if cfg.judge.max_new_tokens < 1:
+        config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
+    for name, stage in stage_configs(cfg):
+        if stage.algorithm.reward == "llm_judge" and not judges:
+            config_error(f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward", "llm_judge",
+                         "asks a judge engine: add cluster.judge_ranks=1 (judge.model=<HF model directory>; "
+                         "default: the policy's starting weights)")
+    if judges and cfg.judge.model is not None and not os.path.isfile(os.path.join(cfg.judge.model, "config.json")):
+        config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
+                     "or leave it unset to judge with the policy's starting weights (model.path)")
 
 
 def _check_bench(cfg: RFTConfig) -> None:
@@ -601,6 +647,7 @@ def validate(cfg: RFTConfig) -> None:
     if cfg.buffer.stale not in ("drop", "reweight"):
         config_error("buffer.stale", cfg.buffer.stale, "use drop or reweight")
     _check_parallel_layout(cfg)
+    _check_judge(cfg)
     if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
         config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
     if cfg.sync.bucket_mb < 1:

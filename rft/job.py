@@ -61,6 +61,8 @@ def _rank_name(config: dict) -> str:
         return f"bench rank {rank}"
     if mode == "train" or (mode != "explore" and rank < trainers):
         return f"trainer rank {rank}"
+    if rank >= (0 if mode == "explore" else trainers) + config["cluster"]["rollout_ranks"]:
+        return f"judge rank {rank}"
     # with several engines, say which one (rft.cluster.engine_index, from the plain config)
     span = config["rollout"]["tensor_parallel_size"] if config["cluster"]["gpus_per_node"] else 1
     engines = config["cluster"]["rollout_ranks"] // max(span, 1)
@@ -95,6 +97,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
         engine_devices,
         init_trainer_group,
         is_engine_follower,
+        is_judge_follower,
         rank_info_from_env,
     )
     from rft.config import RFTConfig
@@ -105,7 +108,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
 
         return run_bench(cfg)
     if cfg.mode == "train":  # offline: trainer ranks only
-        cfg.cluster.rollout_ranks = 0
+        cfg.cluster.rollout_ranks = cfg.cluster.judge_ranks = 0
     if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
         cfg.cluster.trainer_ranks = 0
     info = rank_info_from_env(cfg.cluster, master_port)
@@ -126,6 +129,12 @@ def _rank_main(config: dict, master_port: int) -> dict:
     try:
         stop = StopFlag()
         stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
+        if is_judge_follower(cfg, info):
+            return hold_until_finished(info)
+        if info.role == "judge":  # a frozen engine rewards ask; no state, no votes (rft/explorer/judge_rank.py)
+            from rft.explorer.judge_rank import run_judge
+
+            return run_judge(cfg, info)
         resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
         job_id = _slurm_job_id() if cfg.cluster.kind == "slurm" else None  # (a local run may sit in an salloc)
         if info.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json

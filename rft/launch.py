@@ -106,6 +106,11 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
                                    f"model {cfg.model.name})")
     if cfg.mode in ("both", "explore") and r:
         table.add_row("engines", engines_line(cfg))
+    if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
+        first = t + r if cfg.mode == "both" else r
+        table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
+                                     f"TP={cfg.judge.tensor_parallel_size}, model {cfg.judge.model or cfg.model.path}; "
+                                     f"calls time out after {cfg.judge.timeout_s:g}s)")
     table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
                                  f"timeout {cfg.sync.timeout_s:.0f}s")
     if cfg.mode == "both":
@@ -133,7 +138,7 @@ def engines_line(cfg: RFTConfig) -> str:
     from rft.cluster import engine_ranks
     from rft.slurm import tasks_per_node
 
-    per_node = tasks_per_node(cfg.cluster) if cfg.cluster.kind == "slurm" else None
+    per_node = tasks_per_node(cfg) if cfg.cluster.kind == "slurm" else None
     lines = []
     for e, ranks in enumerate(engine_ranks(cfg)):
         where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"

@@ -65,7 +65,7 @@ class ControlGroup:
 
     def __init__(self, info: RankInfo, members: list[int], timeout_s: float):
         self.info, self.members, self.timeout = info, members, datetime.timedelta(seconds=timeout_s)
-        self.store = _control_store(info, self.timeout)
+        self.store = control_store(info, self.timeout)
         self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), members.index(info.rank),
                                         len(members), self.timeout)
 
@@ -89,7 +89,8 @@ class ControlGroup:
         self.store.set("rft-finished", "1")
 
 
-def _control_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
+def control_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
+    """The job's key-value store, hosted by rank 0 (votes, the dealer's counters, judge URLs)."""
     return dist.TCPStore(info.master_addr, info.master_port + 2, None, is_master=info.rank == 0,
                          timeout=timeout, wait_for_workers=False)
 
@@ -99,7 +100,7 @@ def hold_until_finished(info: RankInfo, poll_s: float = 5.0) -> dict:
     its store is gone (rank 0 ended or failed; Slurm then ends the job)."""
     print(f"rank {info.rank}: holds its GPU for the vLLM engine of this rollout group", flush=True)
     try:
-        store = _control_store(info, datetime.timedelta(seconds=600))
+        store = control_store(info, datetime.timedelta(seconds=600))
         while not store.check(["rft-finished"]):
             time.sleep(poll_s)
     except Exception:  # the store went away with rank 0

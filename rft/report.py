@@ -316,6 +316,8 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
+            **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in ("calls", "timeouts", "errors")}}
+               if any("judge_calls" in r for r in rollouts) else {}),
             "failed_path": os.path.join(run_dir, "buffer", "failed.jsonl"),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 
@@ -382,6 +384,11 @@ def print_summary(summary: dict) -> None:
                       f"{stale.get('reweighted', 0)} re-weighted")
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
+    judge = summary.get("judge")
+    if judge:
+        late = f"; [yellow]{judge['timeouts']} timed out, {judge['errors']} failed[/yellow]" \
+            if judge["timeouts"] or judge["errors"] else ""
+        console.print(f"judge calls: {judge['calls']}{late}")
     if summary.get("failed_samples"):
         console.print(f"[yellow]{summary['failed_samples']} workflow samples failed every try (rollout.max_retries); "
                       f"each is in {summary.get('failed_path', 'buffer/failed.jsonl')} with its traceback", soft_wrap=True)

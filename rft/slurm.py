@@ -15,7 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
-from rft.config import ClusterConfig, RFTConfig, config_error
+from rft.config import ClusterConfig, RFTConfig, config_error, judge_span, world_size
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -41,20 +41,20 @@ def resolve_kind(cluster: ClusterConfig) -> str:
     return "slurm" if slurm_answers() else "local"
 
 
-def tasks_per_node(cluster: ClusterConfig) -> int:
+def tasks_per_node(cfg: RFTConfig) -> int:
     """One task per GPU on GPU nodes; on CPU nodes the ranks split evenly over the nodes."""
-    world = cluster.trainer_ranks + cluster.rollout_ranks
-    return cluster.gpus_per_node if cluster.gpus_per_node else math.ceil(world / cluster.nodes)
+    cluster = cfg.cluster
+    return cluster.gpus_per_node if cluster.gpus_per_node else math.ceil(world_size(cfg) / cluster.nodes)
 
 
 def check_request(cfg: RFTConfig) -> None:
     """What can be checked without the cluster: the task layout and the container image."""
     c = cfg.cluster
-    world = c.trainer_ranks + c.rollout_ranks
+    world = world_size(cfg)
     if c.nodes < 1:
         config_error("cluster.nodes", c.nodes, "use 1 or more")
     if c.gpus_per_node and world != c.nodes * c.gpus_per_node:
-        config_error("cluster.trainer_ranks + cluster.rollout_ranks", world,
+        config_error("cluster.trainer_ranks + cluster.rollout_ranks + cluster.judge_ranks", world,
               f"one rank per GPU: must equal cluster.nodes x cluster.gpus_per_node = "
               f"{c.nodes} x {c.gpus_per_node}")
     if not c.gpus_per_node and world % c.nodes:
@@ -64,6 +64,11 @@ def check_request(cfg: RFTConfig) -> None:
         config_error("rollout.tensor_parallel_size", span,
                      f"a vLLM engine must sit on one node: it must divide cluster.gpus_per_node "
                      f"({c.gpus_per_node}) and cluster.trainer_ranks ({c.trainer_ranks})")
+    judges_start = c.trainer_ranks + c.rollout_ranks  # judge engines follow the rollout ranks
+    if c.judge_ranks and c.gpus_per_node and (c.gpus_per_node % judge_span(cfg) or judges_start % judge_span(cfg)):
+        config_error("judge.tensor_parallel_size", cfg.judge.tensor_parallel_size,
+                     f"a judge engine must sit on one node: it must divide cluster.gpus_per_node "
+                     f"({c.gpus_per_node}) and the ranks before the judges ({judges_start})")
     if c.container_image and not os.path.exists(c.container_image):
         config_error("cluster.container_image", c.container_image,
               "no such file; build it with `apptainer build rft.sif containers/rft.def`")
@@ -138,7 +143,7 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
                          "site's GPUs are not Slurm gres")
         c.gpus_per_node = 0
         return f"cluster.gpus_per_node=auto -> 0 (partition {name} has CPU nodes)"
-    world = c.trainer_ranks + c.rollout_ranks
+    world = world_size(cfg)
     per_node = math.ceil(world / c.nodes)
     if per_node > most:
         config_error("cluster.gpus_per_node", None,
@@ -179,7 +184,7 @@ def make_executor(cfg: RFTConfig, folder: str):
     python = "python" if c.container_image else shlex.quote(sys.executable)
     executor = submitit.SlurmExecutor(folder=folder, python=f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}")
     params: dict[str, Any] = dict(
-        job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(c),
+        job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(cfg),
         cpus_per_task=c.cpus_per_task, setup=_setup_lines(c), signal_delay_s=c.signal_delay_s)
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node

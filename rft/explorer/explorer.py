@@ -27,6 +27,7 @@ from rft.cluster import RankInfo, engine_count, engine_index, engine_span, sync_
 from rft.config import RFTConfig, context_length, needs_rollouts
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
+from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import OpenAIEndpoint, session_experiences
 from rft.explorer.runner import Outcome, WorkflowRunner
@@ -47,11 +48,13 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
                              name=f"engine {engine_index(cfg, info)}", loop=LoopThread())]
     stop.install()
+    judges = _connect_judges(cfg, group) if cfg.cluster.judge_ranks else None
     runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
     # startup overlaps the trainer's first steps
     runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
-                         reward_errors=0, failed_samples=0, eval_samples=0)
-    explorer = Explorer(cfg, info, engines, runtime)
+                         reward_errors=0, failed_samples=0, eval_samples=0,
+                         **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0} if judges else {}))
+    explorer = Explorer(cfg, info, engines, runtime, judges)
     for stage in runtime.stages():
         explorer.begin(stage)
         for step in stage.steps():
@@ -73,13 +76,22 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
 
 
+def _connect_judges(cfg: RFTConfig, group: ControlGroup) -> JudgeClient:
+    """Reach the job's judge engines (rft/explorer/judge.py); they start while this rank's engine does."""
+    from rft.config import judge_span
+    from rft.explorer.judge import connect
+
+    return connect(group.store, cfg.cluster.judge_ranks // judge_span(cfg), cfg.judge, cfg.sync.timeout_s)
+
+
 class Explorer:
     """A rollout rank's engines, buffer, tasksets and workflow runner. With several engines in
     the job each explorer takes its share of every batch from the dealer (rft/explorer/dealer.py)
     and writes its own shard per step; engine 0 logs the evaluations, which every engine shares."""
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, engines: list[RolloutEngine], runtime: Runtime):
-        self.cfg, self.info, self.engines, self.runtime = cfg, info, engines, runtime
+    def __init__(self, cfg: RFTConfig, info: RankInfo, engines: list[RolloutEngine], runtime: Runtime,
+                 judges: JudgeClient | None = None):
+        self.cfg, self.info, self.engines, self.runtime, self.judges = cfg, info, engines, runtime, judges
         run_dir = cfg.run.output_dir
         self.buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
         self.failed_path = os.path.join(run_dir, "buffer", "failed.jsonl")
@@ -197,8 +209,16 @@ class Explorer:
                                   failed_samples=sum(o.failed for o in outcomes))
         return {"timing/rollout_s": generated - start, "timing/buffer_write_s": written - generated,
                 "perf/tokens_per_s": sum(e.sampled_tokens for e in experiences) / max(generated - start, 1e-9),
-                **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats,
+                **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats, **self._judge_scalars(),
                 **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {})}
+
+    def _judge_scalars(self) -> dict[str, float]:
+        """judge/calls, timeouts, errors, latency since the last call; added to the run's totals."""
+        if self.judges is None:
+            return {}
+        counts = self.judges.take_counts()
+        self.runtime.progress.add(judge_calls=counts.calls, judge_timeouts=counts.timeouts, judge_errors=counts.errors)
+        return counts.scalars()
 
     def receive_weights(self) -> float:
         """Take the weights the trainer publishes now; the seconds the engines spent loading them."""
@@ -225,6 +245,7 @@ class Explorer:
                                   deal=self.dealer.deal(batch, len(self.eval_tasks)))
         self.runtime.progress.add(eval_s=time.time() - start, reward_errors=outcome.reward_errors,
                                   failed_samples=outcome.failed, eval_samples=outcome.samples)
+        judged = self._judge_scalars()  # the evaluation's judge calls count in the totals
         outcomes = self.dealer.gather(batch, outcome)  # every engine's share; engine 0 reports
         if self.engine != 0:
             return
@@ -233,7 +254,8 @@ class Explorer:
         accuracy = sum(float(e.reward) for e in trajectories) / len(self.eval_tasks)  # a failed task scores 0
         metrics = {key.removeprefix("eval/"): value
                    for key, value in outcome_scalars(outcomes, list(trajectories), "eval").items()}
-        self.runtime.log(stage, global_step, {"eval/accuracy": accuracy, **{f"eval/{k}": v for k, v in metrics.items()}})
+        self.runtime.log(stage, global_step, {"eval/accuracy": accuracy, **{f"eval/{k}": v for k, v in metrics.items()},
+                                              **{f"eval/{k}": v for k, v in judged.items()}})
         append_jsonl(eval_path(self.cfg.run.output_dir), {
             "stage": stage.name, "when": when, "step": global_step, "version": self.version.value,
             "accuracy": accuracy, "num_tasks": len(self.eval_tasks), "metrics": metrics})

@@ -121,6 +121,23 @@ def math_verify_answer(response: str, answer: str) -> float:
     return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 
 
+# short: it must fit small judges' contexts (the quickstart's tiny model has 64 tokens)
+JUDGE_PROMPT = "{question}\nReference: {answer}\nResponse: {response}\nCorrect (yes/no)?"
+
+
+@REWARDS.register("llm_judge", needs_answer=True)
+async def llm_judge(trajectory: Experience, task: Task) -> float:
+    """1.0 if the judge engine (cluster.judge_ranks, rft/explorer/judge.py) answers "yes" to
+    JUDGE_PROMPT with the task's question, reference answer and the response. A plain completion,
+    so any judge model works; write your own async reward with `judge.chat` for an instruct
+    judge and a rubric of your own."""
+    from rft.explorer.judge import judge
+
+    verdict = await judge.complete(JUDGE_PROMPT.format(question=task.prompt or "", answer=_answer(task, "llm_judge"),
+                                                       response=trajectory.response.strip()), max_new_tokens=4)
+    return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+
+
 class _DropTimeoutDisabledWarning(logging.Filter):
     """math-verify warns that its own timeouts are off; they are off on purpose, see above.
 

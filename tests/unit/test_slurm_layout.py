@@ -83,7 +83,7 @@ def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
             f.write(script)
     with open(golden) as f:
         assert script == f.read(), "sbatch script changed; rerun with RFT_UPDATE_GOLDEN=1 if intended"
-    assert tasks_per_node(cfg.cluster) == 8
+    assert tasks_per_node(cfg) == 8
 
 
 def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
@@ -111,6 +111,31 @@ def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
                                      for e in range(2) for w in range(4)]
     assert engines_line(cfg).splitlines()[:2] == ["engine 0: ranks 8-11 on node 1 of 2",
                                                   "engine 1: ranks 12-15 on node 1 of 2"]
+
+
+def test_a_tp4_judge_engine_takes_the_last_four_gpus(tmp_path, monkeypatch):
+    """2 nodes x 8 GPUs: 8 trainer ranks, one TP-4 rollout engine, one TP-4 judge engine after it.
+    The judge's leader runs vLLM on its four GPUs, its followers hold theirs, and no judge rank votes."""
+    from rft.cluster import control_members, engine_devices, is_judge_follower
+
+    cfg = _two_engines_profile(tmp_path)
+    cfg.cluster.rollout_ranks, cfg.cluster.judge_ranks, cfg.judge.tensor_parallel_size = 4, 4, 4
+    (tmp_path / "rft.sif").write_text("")
+    check_request(cfg)
+    roles = {}
+    for procid in (11, 12, 13, 15):
+        _slurm_env(monkeypatch, procid, procid // 8, procid % 8, ntasks=16)
+        info = rank_info_from_env(cfg.cluster, master_port=0)
+        roles[procid] = (info.role, info.role_rank, is_judge_follower(cfg, info))
+    assert roles == {11: ("rollout", 3, False), 12: ("judge", 0, False), 13: ("judge", 1, True),
+                     15: ("judge", 3, True)}
+    monkeypatch.setenv("LOCAL_RANK", "4")  # rank 12 is the fifth task on node 1
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
+    assert engine_devices(cfg, cfg.judge.tensor_parallel_size) == "4,5,6,7"
+    assert control_members(cfg, info) == list(range(8)) + [8]
+    cfg.cluster.judge_ranks, cfg.cluster.rollout_ranks = 6, 2  # the judge would straddle the nodes
+    with pytest.raises(ValueError, match="judge.tensor_parallel_size"):
+        check_request(cfg)
 
 
 @pytest.mark.parametrize("change, key", [

@@ -1,0 +1,56 @@
+"""A judge rank's whole life: serve a frozen vLLM engine to the job's rewards until the run ends.
+
+    start vLLM on judge.model (default: the policy's starting weights, model.path)
+    serve vLLM's OpenAI server on this node's address, with a token of its own
+    publish {url, token, model} in the job's store (rft/explorer/judge.py connects to it)
+    wait until rank 0 says the run is over, or its store is gone
+
+A judge keeps no state, never votes, never syncs and saves nothing: a resumed job starts it afresh.
+On GPU nodes a judge engine of TP k spans k tasks; the first runs vLLM, the others hold their GPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import secrets
+import socket
+import time
+from dataclasses import replace
+
+from rft.cluster import RankInfo, engine_devices, free_port
+from rft.config import RFTConfig, RolloutConfig, context_length, judge_span
+from rft.explorer.judge import JudgeEndpoint
+from rft.preemption import control_store
+
+
+def judge_rollout_config(cfg: RFTConfig) -> RolloutConfig:
+    """The engine settings of a judge: its own TP, cache and batch limits."""
+    j = cfg.judge
+    return replace(cfg.rollout, tensor_parallel_size=j.tensor_parallel_size, kv_cache_gb=j.kv_cache_gb,
+                   gpu_memory_utilization=j.gpu_memory_utilization, max_num_seqs=j.max_num_seqs)
+
+
+def run_judge(cfg: RFTConfig, info: RankInfo, poll_s: float = 2.0) -> dict:
+    from rft.explorer.openai_endpoint import OpenAIEndpoint
+    from rft.explorer.vllm_engine import RolloutEngine
+
+    index = info.role_rank // judge_span(cfg)
+    if cfg.cluster.gpus_per_node:
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg, judge_span(cfg))
+    model = replace(cfg.model, path=cfg.judge.model or cfg.model.path)
+    engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}")
+    host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
+    endpoint = OpenAIEndpoint(engine, host, free_port(), secrets.token_urlsafe(32), served_name="judge")
+    endpoint.start()
+    store = control_store(info, datetime.timedelta(seconds=cfg.sync.timeout_s))
+    store.set(JudgeEndpoint.store_key(index), JudgeEndpoint(endpoint.url, endpoint.token, "judge").to_json())
+    print(f"judge {index}: serving {model.path} at {endpoint.url}", flush=True)
+    try:
+        while not store.check(["rft-finished"]):
+            time.sleep(poll_s)
+    except Exception:  # the store went away with rank 0: the run is over (or failed, and Slurm ends the job)
+        pass
+    # no orderly shutdown of the engine: a judge that hangs would hang it too; the supervising
+    # task kills what is left of this rank's process group (rft/runtime/supervisor.py)
+    return {"role": "judge", "rank": info.rank, "engine": index}

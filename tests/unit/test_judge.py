@@ -1,0 +1,103 @@
+"""Judge engines' client side (rft/explorer/judge.py) against real sockets, and the judge role's
+place in the job: a hung judge costs judge.timeout_s and a count; a dead one an error and a count;
+calls go to the least busy engine; judge ranks come after the rollout ranks and never vote."""
+
+import asyncio
+import socket
+import threading
+import time
+
+import pytest
+
+from rft.cluster import RankInfo, control_members
+from rft.config import JudgeConfig, validate, world_size
+from rft.explorer.judge import JudgeClient, JudgeEndpoint, JudgeError, JudgeTimeout, _JudgeHandle
+from tests.unit.test_config import compose_cfg
+
+
+def _silent_server() -> tuple[socket.socket, str]:
+    """A server that accepts connections and never answers (a hung judge)."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(64)
+    accepted = []
+    threading.Thread(target=lambda: [accepted.append(server.accept()) for _ in iter(int, 1)], daemon=True).start()
+    return server, f"http://127.0.0.1:{server.getsockname()[1]}/v1"
+
+
+def _closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}/v1"  # closed when we leave: connection refused
+
+
+def test_a_hung_judge_costs_its_timeout_and_a_count():
+    server, url = _silent_server()
+    client = JudgeClient([JudgeEndpoint(url, "token", "judge")], JudgeConfig(timeout_s=0.5))
+
+    async def ask_many():
+        return await client.chat_many([[{"role": "user", "content": f"{i}?"}] for i in range(8)])
+
+    started = time.monotonic()
+    replies = asyncio.run(ask_many())
+    took = time.monotonic() - started
+    server.close()
+    assert all(isinstance(r, JudgeTimeout) for r in replies), replies
+    assert "did not answer within judge.timeout_s=0.5s" in str(replies[0])
+    assert took < 3.0, took  # concurrent: one timeout for the batch, not eight
+    counts = client.take_counts()
+    assert (counts.calls, counts.timeouts, counts.errors) == (8, 8, 0)
+    assert client.take_counts().calls == 0  # taken once
+
+
+def test_a_dead_judge_is_an_error_counted_not_a_hang():
+    client = JudgeClient([JudgeEndpoint(_closed_port_url(), "token", "judge")], JudgeConfig(timeout_s=5))
+    with pytest.raises(JudgeError, match="judge engine 0"):
+        asyncio.run(client.complete("2+2="))
+    counts = client.take_counts()
+    assert (counts.calls, counts.timeouts, counts.errors) == (1, 0, 1)
+
+
+def test_calls_go_to_the_least_busy_judge():
+    servers = [_silent_server() for _ in range(2)]
+    client = JudgeClient([JudgeEndpoint(url, "t", "judge") for _, url in servers], JudgeConfig(timeout_s=0.3))
+    seen = []
+
+    async def ask():
+        calls = [asyncio.create_task(client.complete("x")) for _ in range(6)]
+        await asyncio.sleep(0.05)
+        seen.append(list(client._in_flight))
+        await asyncio.gather(*calls, return_exceptions=True)
+
+    asyncio.run(ask())
+    for server, _ in servers:
+        server.close()
+    assert seen == [[3, 3]]
+
+
+def test_the_judge_handle_says_how_to_get_a_judge():
+    with pytest.raises(JudgeError, match="cluster.judge_ranks=1"):
+        _JudgeHandle().chat  # noqa: B018 - the attribute access is what fails
+
+
+def test_judge_ranks_follow_the_rollout_ranks_and_never_vote(tmp_path):
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.rollout_ranks=2",
+                      "cluster.judge_ranks=2")
+    validate(cfg)
+    assert world_size(cfg) == 5
+    infos = [RankInfo(r, 5, 1, 2, "127.0.0.1", 1234, judge_ranks=2) for r in range(5)]
+    assert [(i.role, i.role_rank) for i in infos] == [("trainer", 0), ("rollout", 0), ("rollout", 1),
+                                                       ("judge", 0), ("judge", 1)]
+    assert control_members(cfg, infos[0]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["+stages.1.algorithm.reward=llm_judge"], r"stages\[grpo\]\.algorithm\.reward.*cluster\.judge_ranks=1"),
+    (["cluster.judge_ranks=1", "judge.model=/nonexistent"], r"judge\.model"),
+    (["cluster.judge_ranks=1", "judge.timeout_s=0"], r"judge\.timeout_s"),
+    (["cluster.judge_ranks=-1"], r"cluster\.judge_ranks"),
+])
+def test_bad_judge_settings_name_the_key(tmp_path, overrides, key):
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", *overrides)
+    with pytest.raises(ValueError, match=key):
+        validate(cfg)

@@ -126,7 +126,7 @@ def engine_index(cfg: RFTConfig, info: RankInfo) -> int:
 
 def engine_ranks(cfg: RFTConfig) -> list[list[int]]:
     """Every engine's global ranks (its leader first), in engine order, from the config alone."""
-    first, span = 0 if cfg.mode == "explore" else cfg.cluster.trainer_ranks, engine_span(cfg)
+    first, span = 0 if cfg.mode in ("explore", "serve") else cfg.cluster.trainer_ranks, engine_span(cfg)
     return [list(range(first + e * span, first + (e + 1) * span)) for e in range(engine_count(cfg))]
 
 

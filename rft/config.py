@@ -152,6 +152,14 @@ class JudgeConfig:
 
 
 @dataclass
+class ServeConfig:
+    """mode=serve (rft/explorer/serve.py): rollout ranks that only serve the OpenAI endpoint."""
+
+    step_s: float = 10.0  # this often: rewarded sessions are written as a shard, new published weights are loaded
+    duration_min: Optional[float] = None  # stop after this long (None: until cancelled or the job's time limit)
+
+
+@dataclass
 class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps in this stage
     micro_batch_size: int = 8  # sequences per forward/backward
@@ -246,7 +254,7 @@ class BenchConfig:
 
 @dataclass
 class RFTConfig:
-    mode: str = "both"  # both: explore + train | train: offline (SFT, DPO) | explore: rollouts only | bench
+    mode: str = "both"  # both: explore + train | train: offline (SFT, DPO) | explore: rollouts only | serve: the OpenAI endpoint only | bench
     seed: int = 0  # seeds data order, sampling and init on every rank
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -254,6 +262,7 @@ class RFTConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     judge: JudgeConfig = field(default_factory=JudgeConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     buffer: BufferConfig = field(default_factory=BufferConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
@@ -488,6 +497,8 @@ def world_size(cfg: RFTConfig) -> int:
         return 1
     if cfg.mode == "train":
         return cfg.cluster.trainer_ranks
+    if cfg.mode == "serve":
+        return cfg.cluster.rollout_ranks
     trainers = 0 if cfg.mode == "explore" else cfg.cluster.trainer_ranks
     return trainers + cfg.cluster.rollout_ranks + cfg.cluster.judge_ranks
 
@@ -495,6 +506,13 @@ def world_size(cfg: RFTConfig) -> int:
 def judge_span(cfg: RFTConfig) -> int:
     """Tasks one judge engine spans: its TP size on GPU nodes (a task per GPU), else 1."""
     return cfg.judge.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
+
+
+def _check_serve(cfg: RFTConfig) -> None:
+    if not cfg.serve.step_s > 0:
+        config_error("serve.step_s", cfg.serve.step_s, "use a positive number of seconds")
+    if cfg.serve.duration_min is not None and not cfg.serve.duration_min > 0:
+        config_error("serve.duration_min", cfg.serve.duration_min, "use a positive number of minutes, or null")
 
 
 def _check_judge(cfg: RFTConfig) -> None:
@@ -539,11 +557,13 @@ def _check_bench(cfg: RFTConfig) -> None:
 
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
-    if cfg.mode not in ("both", "train", "explore", "bench"):
+    if cfg.mode not in ("both", "train", "explore", "serve", "bench"):
         config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO), explore "
-                     "(rollouts only) or bench")
+                     "(rollouts only), serve (the OpenAI endpoint only) or bench")
     if cfg.mode == "bench":
         _check_bench(cfg)
+    if cfg.mode == "serve":
+        _check_serve(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
@@ -558,11 +578,11 @@ def validate(cfg: RFTConfig) -> None:
             config_error(key, value, f"must be >= {least}")
     rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
     span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
-    if cfg.mode in ("both", "explore") and rtp >= 1 and cfg.cluster.rollout_ranks % span:
+    if cfg.mode in ("both", "explore", "serve") and rtp >= 1 and cfg.cluster.rollout_ranks % span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
                      "takes one task (one GPU) per TP rank")
-    if cfg.mode in ("both", "explore") and cfg.cluster.rollout_ranks < max(span, 1):
+    if cfg.mode in ("both", "explore", "serve") and cfg.cluster.rollout_ranks < max(span, 1):
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"need at least one vLLM engine: {max(span, 1)} rank(s) here")
     if cfg.model.max_seq_len < 2:
@@ -576,7 +596,7 @@ def validate(cfg: RFTConfig) -> None:
               "`python tools/prepare_smollm2.py` and pass `model=smollm2_135m`, or set "
               "`model.path=/path/to/hf_model`")
     written = {path for section in generated_data(cfg) for path in (section.data.train_path, section.data.eval_path)}
-    for name, stage in stage_configs(cfg):
+    for name, stage in stage_configs(cfg) if cfg.mode != "serve" else ():  # serving reads no tasksets
         prefix = f"stages[{name}]." if cfg.stages else ""
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
         if data.arithmetic is not None and data.eval_path is None:

@@ -59,14 +59,15 @@ def _rank_name(config: dict) -> str:
     mode, trainers = config["mode"], config["cluster"]["trainer_ranks"]
     if mode == "bench":
         return f"bench rank {rank}"
-    if mode == "train" or (mode != "explore" and rank < trainers):
+    trainers = 0 if mode in ("explore", "serve") else trainers  # rollout ranks only
+    if mode == "train" or rank < trainers:
         return f"trainer rank {rank}"
-    if rank >= (0 if mode == "explore" else trainers) + config["cluster"]["rollout_ranks"]:
+    if rank >= trainers + config["cluster"]["rollout_ranks"]:
         return f"judge rank {rank}"
     # with several engines, say which one (rft.cluster.engine_index, from the plain config)
     span = config["rollout"]["tensor_parallel_size"] if config["cluster"]["gpus_per_node"] else 1
     engines = config["cluster"]["rollout_ranks"] // max(span, 1)
-    role_rank = rank - (0 if mode == "explore" else trainers)
+    role_rank = rank - trainers
     return f"rollout rank {rank}" + (f" (engine {role_rank // span})" if engines > 1 else "")
 
 
@@ -111,6 +112,8 @@ def _rank_main(config: dict, master_port: int) -> dict:
         cfg.cluster.rollout_ranks = cfg.cluster.judge_ranks = 0
     if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
         cfg.cluster.trainer_ranks = 0
+    if cfg.mode == "serve":  # the OpenAI endpoint only (rft/explorer/serve.py)
+        cfg.cluster.trainer_ranks = cfg.cluster.judge_ranks = 0
     info = rank_info_from_env(cfg.cluster, master_port)
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:
@@ -135,6 +138,10 @@ def _rank_main(config: dict, master_port: int) -> dict:
             from rft.explorer.judge_rank import run_judge
 
             return run_judge(cfg, info)
+        if cfg.mode == "serve":  # no tasks, no trainer, no checkpoints: sessions in, shards out
+            from rft.explorer.serve import run_server
+
+            return run_server(cfg, info, ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s), stop)
         resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
         job_id = _slurm_job_id() if cfg.cluster.kind == "slurm" else None  # (a local run may sit in an salloc)
         if info.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json

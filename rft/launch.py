@@ -100,6 +100,18 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
             table.add_row("attempt", attempt)
         console.print(table)
         return
+    if cfg.mode == "serve":
+        table.add_row("mode", "serve: vLLM's OpenAI API on every engine; rewarded sessions -> <run>/buffer every "
+                              f"{cfg.serve.step_s:g}s" + (f", for {cfg.serve.duration_min:g} min" if cfg.serve.duration_min
+                                                        else ", until cancelled"))
+        table.add_row("engines", engines_line(cfg))
+        table.add_row("weights", f"{cfg.model.path}, then each version a trainer publishes to {cfg.sync.checkpoint_dir}"
+                      if cfg.sync.checkpoint_dir else f"{cfg.model.path} (fixed; set sync.checkpoint_dir to follow "
+                                                       "a trainer's sync.engine=checkpoint)")
+        table.add_row("output dir", cfg.run.output_dir)
+        table.add_row("logs", log_dir)
+        console.print(table)
+        return
     tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
     table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
     table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
@@ -258,6 +270,11 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         return 1
     if on_slurm and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
+    if cfg.mode == "serve":
+        from rft.report import served_line
+
+        console.print(served_line(cfg.run.output_dir, world))
+        return 0
     if cfg.mode == "bench":
         with open(os.path.join(cfg.run.output_dir, "bench.md")) as f:
             console.print(f.read(), soft_wrap=True)
@@ -386,7 +403,7 @@ def take_run_dir(cfg: RFTConfig) -> tuple[Owner, str | None]:
     if took_over:
         print(f"rft: {took_over}")
     try:
-        attempt = start_or_resume(cfg)
+        attempt = None if cfg.mode == "serve" else start_or_resume(cfg)  # serving goes on after its last shard
         prepare(cfg)
     except BaseException:
         release(cfg.run.output_dir, owner)

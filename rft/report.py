@@ -284,6 +284,13 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
+def served_line(run_dir: str, world_size: int) -> str:
+    """mode=serve's result: sessions written and the weights each engine served last."""
+    engines = [r for r in (_read_json(rank_summary_path(run_dir, rank)) for rank in range(world_size)) if r]
+    return (f"served {sum(e.get('sessions', 0) for e in engines)} rewarded session(s) into "
+            f"{os.path.join(run_dir, 'buffer')}; weights versions served last: {[e.get('version') for e in engines]}")
+
+
 def build_summary(run_dir: str, world_size: int) -> dict:
     """Eval accuracy at start/end of each stage, time split, skipped rows, reward errors."""
     ranks = [_read_json(rank_summary_path(run_dir, r)) or {} for r in range(world_size)]

@@ -29,7 +29,7 @@ from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
 from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
-from rft.explorer.openai_endpoint import OpenAIEndpoint, session_experiences
+from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.runner import Outcome, WorkflowRunner
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
@@ -109,41 +109,11 @@ class Explorer:
         self.runner: WorkflowRunner | None = None
         self.cursor: TaskCursor | None = None
         self.eval_tasks: list[Task] = []
-        self.endpoint = self._serve_openai_api() if cfg.rollout.openai_api else None
-
-    def _serve_openai_api(self) -> OpenAIEndpoint:
-        """rollout.openai_api: this engine serves vLLM's OpenAI API for agents outside the run, on
-        this node's address (127.0.0.1 for a local run), never on every interface; one token per
-        run, made by engine 0 and shared through the control store; engine 0 writes
-        <run>/endpoints.json (owner-only) with every engine's URL."""
-        import secrets
-        import socket
-
-        from rft.cluster import free_port
-        from rft.explorer.openai_endpoint import write_endpoints
-
-        cfg = self.cfg
-        token = self.dealer.gather("openai-token", secrets.token_urlsafe(32) if self.engine == 0 else None)[0]
-        host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
-        port = cfg.rollout.openai_port + self.engine if cfg.rollout.openai_port else free_port()
-        endpoint = OpenAIEndpoint(self.engines[0], host, port, token)
-        endpoint.start()
-        urls = self.dealer.gather("openai-urls", endpoint.url)
-        if self.engine == 0:
-            write_endpoints(os.path.join(cfg.run.output_dir, "endpoints.json"), token, urls, endpoint.served_name)
-        print(f"engine {self.engine}: OpenAI-compatible endpoint at {endpoint.url} (token in "
-              f"{os.path.join(cfg.run.output_dir, 'endpoints.json')})", flush=True)
-        return endpoint
+        self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
 
     def _sessions(self) -> list[Experience]:
-        """The endpoint's sessions rewarded since the last step, as experience (their groups
-        named `session:<group>` beside the workflow's)."""
-        if self.endpoint is None:
-            return []
-        rows = [row for session in self.endpoint.sessions.take_rewarded() for row in session_experiences(session)]
-        for row in rows:
-            row.group_id = f"session:{row.group_id}"
-        return rows
+        """The endpoint's sessions rewarded since the last step, as experience."""
+        return rewarded_experiences(self.endpoint) if self.endpoint is not None else []
 
     # ---- a stage -----------------------------------------------------------------------------
 

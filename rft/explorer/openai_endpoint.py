@@ -269,3 +269,34 @@ def write_endpoints(path: str, token: str, urls: list[str], served_name: str) ->
     with os.fdopen(fd, "w") as f:
         json.dump(payload, f, indent=1)
     os.replace(tmp, path)
+
+
+def serve_endpoint(cfg, engine, dealer, index: int) -> OpenAIEndpoint:
+    """Engine `index` of the job serves vLLM's OpenAI API for agents outside the run, on this
+    node's address (127.0.0.1 for a local run), never on every interface; one token per run, made
+    by engine 0 and shared through the job's store (`dealer`: rft/explorer/dealer.py); engine 0
+    writes <run>/endpoints.json (owner-only) with every engine's URL."""
+    import secrets
+
+    from rft.cluster import free_port
+
+    token = dealer.gather("openai-token", secrets.token_urlsafe(32) if index == 0 else None)[0]
+    host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
+    port = cfg.rollout.openai_port + index if cfg.rollout.openai_port else free_port()
+    endpoint = OpenAIEndpoint(engine, host, port, token)
+    endpoint.start()
+    urls = dealer.gather("openai-urls", endpoint.url)
+    path = os.path.join(cfg.run.output_dir, "endpoints.json")
+    if index == 0:
+        write_endpoints(path, token, urls, endpoint.served_name)
+    print(f"engine {index}: OpenAI-compatible endpoint at {endpoint.url} (token in {path})", flush=True)
+    return endpoint
+
+
+def rewarded_experiences(endpoint: OpenAIEndpoint) -> list[Experience]:
+    """The sessions rewarded since the last call, as experience: their groups are named
+    `session:<group>`, apart from a workflow's groups in the same shard."""
+    rows = [row for session in endpoint.sessions.take_rewarded() for row in session_experiences(session)]
+    for row in rows:
+        row.group_id = f"session:{row.group_id}"
+    return rows

@@ -104,8 +104,15 @@ class BroadcastReceiver:
         return versions.pop(), tail_s
 
 
-def _version_dir(root: str, version: int) -> str:
+def version_dir(root: str, version: int) -> str:
+    """Where the checkpoint engine writes weights version `version` (an HF checkpoint once complete)."""
     return os.path.join(root, f"v{version:06d}")
+
+
+def newest_complete_version(root: str) -> int:
+    """The newest version in `root` whose index file (written last) is there; 0 if none."""
+    found = glob.glob(os.path.join(root, "v*", "model.safetensors.index.json"))
+    return max((int(os.path.basename(os.path.dirname(p))[1:]) for p in found), default=0)
 
 
 class CheckpointSender:
@@ -122,7 +129,7 @@ class CheckpointSender:
         from safetensors.torch import save_file
 
         lay = self.layout
-        vdir = _version_dir(lay.checkpoint_dir, version)
+        vdir = version_dir(lay.checkpoint_dir, version)
         os.makedirs(vdir, exist_ok=True)
         source = iter(tensors)
         weight_map, written = {}, 0
@@ -173,24 +180,19 @@ class CheckpointReceiver:
         self.layout, self.index = layout, index
         self.version = 0
 
-    def _newest_complete(self) -> int:
-        found = glob.glob(os.path.join(self.layout.checkpoint_dir, "v*", "model.safetensors.index.json"))
-        versions = [int(os.path.basename(os.path.dirname(p))[1:]) for p in found]
-        return max(versions, default=0)
-
     def receive(self, load_fn: LoadFn) -> tuple[int, float]:
         from safetensors import safe_open
 
         lay = self.layout
         deadline = time.monotonic() + lay.timeout_s
-        while (version := self._newest_complete()) <= self.version:
+        while (version := newest_complete_version(lay.checkpoint_dir)) <= self.version:
             if time.monotonic() > deadline:
                 raise PeerTimeoutError(
                     f"no weights newer than version {self.version} appeared in {lay.checkpoint_dir} "
                     f"within {lay.timeout_s:.0f}s (writers: "
                     f"{', '.join(lay.peer_names(s)[0] for s in range(len(lay.sender_ranks)))})")
             time.sleep(self.poll_s)
-        vdir = _version_dir(lay.checkpoint_dir, version)
+        vdir = version_dir(lay.checkpoint_dir, version)
         tail_start = time.perf_counter()
         for s in range(len(lay.sender_ranks)):
             with open(os.path.join(vdir, f"stage{s}.json")) as f:

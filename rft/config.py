@@ -141,6 +141,7 @@ class RolloutConfig:
 class JudgeConfig:
     """Frozen vLLM engines on `cluster.judge_ranks` that rewards ask (`await judge.chat(...)`)."""
 
+    kind: str = "generate"  # generate: an LLM judge (judge.chat / judge.complete) | classify: a reward model, an HF sequence-classification model (judge.score)
     model: Optional[str] = None  # HF model directory of the judge (None: the policy's starting weights, model.path)
     tensor_parallel_size: int = 1  # vLLM TP per judge engine (on GPU nodes: tasks per judge engine)
     timeout_s: float = 30.0  # a judge call slower than this fails (the reward scores 0, judge/timeouts counts it)
@@ -524,15 +525,21 @@ def _check_judge(cfg: RFTConfig) -> None:
     if judges % span:
         config_error("cluster.judge_ranks", judges, f"must be a multiple of judge.tensor_parallel_size={span}: "
                      "on GPU nodes a judge engine takes one task (one GPU) per TP rank")
+    if cfg.judge.kind not in ("generate", "classify"):
+        config_error("judge.kind", cfg.judge.kind, "use generate (an LLM judge) or classify (a reward model: an HF "
+                     "sequence-classification model in judge.model)")
     if not cfg.judge.timeout_s > 0:
         config_error("judge.timeout_s", cfg.judge.timeout_s, "use a positive number of seconds")
     if cfg.judge.max_new_tokens < 1:
         config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
     for name, stage in stage_configs(cfg):
-        if stage.algorithm.reward == "llm_judge" and not judges:
-            config_error(f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward", "llm_judge",
-                         "asks a judge engine: add cluster.judge_ranks=1 (judge.model=<HF model directory>; "
-                         "default: the policy's starting weights)")
+        kind = {"llm_judge": "generate", "reward_model": "classify"}.get(stage.algorithm.reward)
+        key = f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward"
+        if kind and not judges:
+            config_error(key, stage.algorithm.reward, f"asks a judge engine: add cluster.judge_ranks=1 and "
+                         f"judge.kind={kind} (judge.model=<HF model directory>; default: the policy's starting weights)")
+        if kind and cfg.judge.kind != kind:
+            config_error(key, stage.algorithm.reward, f"needs judge.kind={kind} (judge.kind={cfg.judge.kind})")
     if judges and cfg.judge.model is not None and not os.path.isfile(os.path.join(cfg.judge.model, "config.json")):
         config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
                      "or leave it unset to judge with the policy's starting weights (model.path)")

@@ -11,7 +11,9 @@
 weights) that are never synced, behind vLLM's own OpenAI server (the code rollout.openai_api uses).
 Rewards reach them through the `openai` client: `judge.chat(messages)` (chat completions, for
 models with a chat template) and `judge.complete(prompt)` (plain completions, any model); both
-return the judge's text. Concurrent calls from the many trajectories in flight reach vLLM together
+return the judge's text. With judge.kind=classify the judge is a reward model (an HF
+sequence-classification model on vLLM's pooling runner): `judge.score(texts)` returns its
+probability per text, from vLLM's /classify route (plain HTTP: the `openai` client has no such call). Concurrent calls from the many trajectories in flight reach vLLM together
 and its scheduler batches them; `judge.chat_many` asks several at once; a call goes to the judge
 engine with the fewest calls in flight.
 
@@ -95,8 +97,8 @@ class JudgeClient:
                              for e in self.endpoints]
         return self._clients[index]
 
-    async def _call(self, request) -> str:
-        """Run `request(client, model)` on the least busy judge with the time limit; count it."""
+    async def _call(self, request):
+        """Run `request(client, endpoint)` on the least busy judge with the time limit; count it."""
         import openai
 
         index = self._pick()
@@ -104,8 +106,7 @@ class JudgeClient:
         self._in_flight[index] += 1
         started = time.monotonic()
         try:
-            text = await asyncio.wait_for(request(self._client(index), self.endpoints[index].model),
-                                          self.cfg.timeout_s)
+            answer = await asyncio.wait_for(request(self._client(index), self.endpoints[index]), self.cfg.timeout_s)
         except asyncio.TimeoutError:
             self.counts.timeouts += 1
             raise JudgeTimeout(f"judge engine {index} ({self.endpoints[index].url}) did not answer within "
@@ -116,7 +117,7 @@ class JudgeClient:
         finally:
             self._in_flight[index] -= 1
         self.counts.seconds += time.monotonic() - started
-        return text
+        return answer
 
     def _sampling(self, max_new_tokens: int | None, temperature: float | None) -> dict:
         return {"max_tokens": max_new_tokens or self.cfg.max_new_tokens,
@@ -127,8 +128,8 @@ class JudgeClient:
         """The judge's reply to a conversation (its chat template applies; vLLM's chat completions)."""
         sampling = self._sampling(max_new_tokens, temperature)
 
-        async def request(client, model):
-            reply = await client.chat.completions.create(model=model, messages=messages, **sampling)
+        async def request(client, endpoint):
+            reply = await client.chat.completions.create(model=endpoint.model, messages=messages, **sampling)
             return reply.choices[0].message.content or ""
 
         return await self._call(request)
@@ -138,9 +139,19 @@ class JudgeClient:
         """The judge's continuation of a plain-text prompt (no template; any model)."""
         sampling = self._sampling(max_new_tokens, temperature)
 
-        async def request(client, model):
-            reply = await client.completions.create(model=model, prompt=prompt, **sampling)
+        async def request(client, endpoint):
+            reply = await client.completions.create(model=endpoint.model, prompt=prompt, **sampling)
             return reply.choices[0].text
+
+        return await self._call(request)
+
+    async def score(self, texts: list[str]) -> list[float]:
+        """A reward model's score of each text (judge.kind=classify): the probability of its first
+        label (for a single-label model, the sigmoid of its logit)."""
+        async def request(client, endpoint):
+            reply = await client.post(endpoint.url.removesuffix("/v1") + "/classify", cast_to=object,
+                                      body={"model": endpoint.model, "input": texts})
+            return [float(row["probs"][0]) for row in reply["data"]]
 
         return await self._call(request)
 

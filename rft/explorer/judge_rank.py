@@ -5,6 +5,8 @@
     publish {url, token, model} in the job's store (rft/explorer/judge.py connects to it)
     wait until rank 0 says the run is over, or its store is gone
 
+With judge.kind=classify the engine runs vLLM's pooling runner on an HF sequence-classification
+model (a reward model) and the server offers /classify instead of completions.
 A judge keeps no state, never votes, never syncs and saves nothing: a resumed job starts it afresh.
 On GPU nodes a judge engine of TP k spans k tasks; the first runs vLLM, the others hold their GPUs.
 """
@@ -39,7 +41,9 @@ def run_judge(cfg: RFTConfig, info: RankInfo, poll_s: float = 2.0) -> dict:
     if cfg.cluster.gpus_per_node:
         os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg, judge_span(cfg))
     model = replace(cfg.model, path=cfg.judge.model or cfg.model.path)
-    engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}")
+    runner = "pooling" if cfg.judge.kind == "classify" else "generate"  # a reward model scores, never samples
+    engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}",
+                           runner=runner)
     host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
     endpoint = OpenAIEndpoint(engine, host, free_port(), secrets.token_urlsafe(32), served_name="judge")
     endpoint.start()

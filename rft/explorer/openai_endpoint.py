@@ -213,6 +213,7 @@ class OpenAIEndpoint:
         """The session headers into a context variable the recording engine reads (a plain ASGI
         wrapper: vLLM's app is built, it takes no middleware any more), and rft's own routes."""
         from starlette.requests import Request
+        from starlette.responses import JSONResponse
         from vllm.entrypoints.serve.middleware.authenticate import AuthenticationMiddleware
 
         auth = AuthenticationMiddleware(app, [self.token])  # vLLM's token check, for our routes too
@@ -222,6 +223,12 @@ class OpenAIEndpoint:
                 request = Request(scope, receive)
                 response = await self._reward_route(request, auth)
                 await response(scope, receive, send)
+                return
+            if scope["type"] == "http" and not scope["path"].startswith(("/v1", "/health")) \
+                    and not auth.verify_token(Request(scope).headers):
+                # vLLM guards /v1 only; its other routes (/classify of a reward model, /tokenize,
+                # ...) need the token too here, on a shared cluster
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
                 return
             if scope["type"] == "http":
                 headers = dict(scope["headers"])

@@ -5,8 +5,8 @@ Registry REWARDS; a reward sees the whole trajectory (an experience record: its 
 `task.row` with every column of the taskset row):
 
     fn(trajectory: Experience, task: Task) -> float                  one at a time
-    fn(trajectories: list[Experience], tasks: list[Task]) -> list    batch form (e.g. a model judge)
-    async def fn(trajectory, task) -> float                           async form (e.g. an HTTP judge)
+    fn(trajectories: list[Experience], tasks: list[Task]) -> list    batch form
+    async def fn(trajectory, task) -> float                           async form (e.g. asking a judge engine)
 
 `algorithm.reward` takes a built-in name (`exact_match`, `math_verify`) or a dotted path to your
 own function; its signature is checked at launch. Workflows whose environment gives the reward
@@ -136,6 +136,15 @@ async def llm_judge(trajectory: Experience, task: Task) -> float:
     verdict = await judge.complete(JUDGE_PROMPT.format(question=task.prompt or "", answer=_answer(task, "llm_judge"),
                                                        response=trajectory.response.strip()), max_new_tokens=4)
     return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
+
+
+@REWARDS.register("reward_model")
+async def reward_model(trajectory: Experience, task: Task) -> float:
+    """The reward model's score (judge.kind=classify on cluster.judge_ranks: an HF
+    sequence-classification model, rft/explorer/judge.py) of the prompt followed by the response."""
+    from rft.explorer.judge import judge
+
+    return (await judge.score([(task.prompt or "") + trajectory.response]))[0]
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):

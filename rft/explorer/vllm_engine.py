@@ -134,7 +134,7 @@ class RolloutEngine:
     """
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int,
-                 name: str = "engine 0", loop: LoopThread | None = None):
+                 name: str = "engine 0", loop: LoopThread | None = None, runner: str = "generate"):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         # Fold the TP=1 worker into the engine core process: one process less, and weight loads and
         # generation need no extra hop.
@@ -156,7 +156,7 @@ class RolloutEngine:
         kwargs = dict(model=model.path, dtype=model.dtype, seed=seed, max_model_len=max_model_len,
                       max_num_seqs=rollout.max_num_seqs, tensor_parallel_size=rollout.tensor_parallel_size,
                       worker_extension_cls="rft.explorer.vllm_engine.WeightReceiver",
-                      enable_prefix_caching=True, disable_log_stats=True)
+                      enable_prefix_caching=True, disable_log_stats=True, runner=runner)
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:

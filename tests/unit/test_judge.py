@@ -3,6 +3,7 @@ place in the job: a hung judge costs judge.timeout_s and a count; a dead one an 
 calls go to the least busy engine; judge ranks come after the rollout ranks and never vote."""
 
 import asyncio
+import os
 import socket
 import threading
 import time
@@ -101,3 +102,57 @@ def test_bad_judge_settings_name_the_key(tmp_path, overrides, key):
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", *overrides)
     with pytest.raises(ValueError, match=key):
         validate(cfg)
+
+
+def _tiny_reward_model(tmp_path) -> str:
+    """The tiny policy's architecture with a one-label classification head (a reward model)."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, Qwen2ForSequenceClassification
+
+    from rft.config import TinyModelConfig
+    from rft.models.tiny import create_tiny_model
+
+    policy = create_tiny_model(TinyModelConfig(), str(tmp_path / "policy"), seed=0)
+    config = AutoConfig.from_pretrained(policy)
+    config.num_labels, config.architectures = 1, ["Qwen2ForSequenceClassification"]
+    torch.manual_seed(0)
+    Qwen2ForSequenceClassification(config).save_pretrained(tmp_path / "rm")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(policy, name), tmp_path / "rm")
+    return str(tmp_path / "rm")
+
+
+def test_a_reward_model_judge_scores_as_transformers_does(tmp_path):
+    """judge.kind=classify: vLLM's pooling runner behind the same server; judge.score matches HF's
+    sigmoid of the sequence-classification logit; /classify refuses a call without the token."""
+    import httpx
+    import torch
+    from transformers import AutoTokenizer, Qwen2ForSequenceClassification
+
+    from rft.cluster import free_port
+    from rft.config import ModelConfig, RolloutConfig
+    from rft.explorer.openai_endpoint import OpenAIEndpoint
+    from rft.explorer.vllm_engine import RolloutEngine
+
+    path = _tiny_reward_model(tmp_path)
+    engine = RolloutEngine(ModelConfig(name="rm", path=path), RolloutConfig(kv_cache_gb=0.1), seed=0, max_model_len=64,
+                           runner="pooling")
+    endpoint = OpenAIEndpoint(engine, "127.0.0.1", free_port(), "secret", served_name="judge")
+    endpoint.start()
+    try:
+        client = JudgeClient([JudgeEndpoint(endpoint.url, "secret", "judge")], JudgeConfig(kind="classify"))
+        texts = ["12+34=46", "12+34=99", "7+8=15"]
+        scores = asyncio.run(client.score(texts))
+        refused = httpx.post(endpoint.url.removesuffix("/v1") + "/classify", json={"model": "judge", "input": texts})
+    finally:
+        endpoint.close()
+        engine.close()
+    tokenizer, model = AutoTokenizer.from_pretrained(path), Qwen2ForSequenceClassification.from_pretrained(path)
+    with torch.no_grad():
+        expected = [torch.sigmoid(model(**tokenizer(t, return_tensors="pt")).logits[0, 0]).item() for t in texts]
+    assert scores == pytest.approx(expected, abs=1e-4), (scores, expected)
+    assert len(set(scores)) == 3
+    assert refused.status_code == 401
+    assert client.take_counts().calls == 1  # one call for the batch

@@ -369,6 +369,9 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         # interpolate it)
         with open_dict(dcfg):
             dcfg.run.output_dir = HydraConfig.get().runtime.output_dir
+    if dcfg.get("mode") == "serve" and OmegaConf.is_missing(dcfg.data, "train_path"):
+        with open_dict(dcfg):
+            dcfg.data.train_path = ""  # serving reads no taskset: nothing to ask the user for
     try:
         cfg: RFTConfig = OmegaConf.to_object(dcfg)
     except MissingMandatoryValue as err:

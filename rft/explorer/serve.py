@@ -44,7 +44,8 @@ def run_server(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Stop
     monitor = Monitor(cfg.run.output_dir, f"serve{info.rank}")
     step = next_step(buffer.root, info.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}
-    deadline = started + cfg.serve.duration_min * 60 if cfg.serve.duration_min else float("inf")
+    # serve.duration_min counts from when agents can reach the endpoint, not from the engine's start
+    deadline = time.time() + cfg.serve.duration_min * 60 if cfg.serve.duration_min else float("inf")
     try:
         while True:
             stopping = stop.requested or time.time() >= deadline

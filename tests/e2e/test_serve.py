@@ -45,7 +45,7 @@ def test_serve_mode_turns_sessions_into_shards_and_follows_published_weights(tmp
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=local", "mode=serve",
          f"run.output_dir={run_dir}", f"sync.checkpoint_dir={checkpoint_dir}", "serve.step_s=1",
-         "serve.duration_min=1.5", "monitor.progress=false"], cwd=REPO, stdout=subprocess.PIPE,
+         "serve.duration_min=1", "monitor.progress=false"], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
         endpoints = _wait_for("endpoints.json", lambda: (run_dir / "endpoints.json").exists(), launcher)

@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
@@ -264,6 +265,11 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         if not done():
             job.cancel()
             if not on_slurm:  # Slurm ends every process of a cancelled job; a local cancel does not
+                # submitit's local cancel gives the ranks a Ctrl-C and a second (serve mode writes
+                # the sessions rewarded since its last step then); what outlives it is killed
+                deadline = time.monotonic() + 5.0
+                while not done() and time.monotonic() < deadline:
+                    time.sleep(0.1)
                 stop_local_ranks(cfg.run.output_dir, log_dir, world)
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)

@@ -44,33 +44,36 @@ def run_server(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Stop
     monitor = Monitor(cfg.run.output_dir, f"serve{info.rank}")
     step = next_step(buffer.root, info.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}
+
+    def write_rewarded() -> dict[str, float]:
+        """The sessions rewarded since the last call, as this engine's shard of the next step."""
+        nonlocal step
+        rows = rewarded_experiences(endpoint)
+        if not rows:
+            return {}
+        buffer.write(to_table(rows), step=step, producer=info.rank, version=engine.version)
+        sessions = len({r.trajectory_id for r in rows})
+        totals["sessions"] += sessions
+        totals["rows"] += len(rows)
+        step += 1
+        return {"serve/sessions": float(sessions), "serve/reward": sum(r.reward for r in rows) / len(rows)}
+
     # serve.duration_min counts from when agents can reach the endpoint, not from the engine's start
     deadline = time.time() + cfg.serve.duration_min * 60 if cfg.serve.duration_min else float("inf")
     try:
-        while True:
-            stopping = stop.requested or time.time() >= deadline
-            if not stopping:
-                time.sleep(min(cfg.serve.step_s, max(deadline - time.time(), 0.0)))
-            scalars = {"serve/version": float(engine.version)}
-            rows = rewarded_experiences(endpoint)
-            if rows:
-                buffer.write(to_table(rows), step=step, producer=info.rank, version=engine.version)
-                totals["sessions"] += len({r.trajectory_id for r in rows})
-                totals["rows"] += len(rows)
-                scalars.update({"serve/sessions": float(len({r.trajectory_id for r in rows})),
-                                "serve/reward": sum(r.reward for r in rows) / len(rows)})
-                step += 1
-            if cfg.sync.checkpoint_dir and not stopping:
+        while not (stop.requested or time.time() >= deadline):
+            time.sleep(min(cfg.serve.step_s, max(deadline - time.time(), 0.0)))
+            scalars = {"serve/version": float(engine.version), **write_rewarded()}
+            if cfg.sync.checkpoint_dir:
                 scalars.update(load_newer_weights(engine, cfg.sync.checkpoint_dir))
                 totals["weight_loads"] += int("serve/weight_load_s" in scalars)
             monitor.log(step, scalars, "serve")
-            if stopping or stop.requested:
-                break
-    except KeyboardInterrupt:  # Ctrl-C of a local launch, forwarded to the rank
+    except KeyboardInterrupt:  # Ctrl-C of a local launch: its cancel gives the ranks about a second
         pass
     finally:
+        monitor.log(step, write_rewarded(), "serve")  # what was rewarded since the last step is kept
         monitor.close()
-        endpoint.close()
+    endpoint.close()
     summary = {"rank": info.rank, "role": "rollout", "mode": "serve", "steps": step, "version": engine.version,
                "wall_s": time.time() - started, **totals}
     write_json_atomic(rank_summary_path(cfg.run.output_dir, info.rank), summary)

@@ -1,9 +1,11 @@
 """mode=serve through the real launcher (rft/explorer/serve.py): rollout ranks that only serve
 vLLM's OpenAI API. An agent using the real `openai` client runs sessions and rewards them; they land
 in the run's buffer as shards; a trainer's new weights version appearing in sync.checkpoint_dir is
-loaded and served (the same prompt's logprobs change and the next session's shard carries it)."""
+loaded and served (the same prompt's logprobs change and the next session's shard carries it); a
+session rewarded just before Ctrl-C is written, not lost."""
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -44,8 +46,8 @@ def test_serve_mode_turns_sessions_into_shards_and_follows_published_weights(tmp
     run_dir, checkpoint_dir = tmp_path / "run", tmp_path / "weights"
     launcher = subprocess.Popen(
         [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=local", "mode=serve",
-         f"run.output_dir={run_dir}", f"sync.checkpoint_dir={checkpoint_dir}", "serve.step_s=1",
-         "serve.duration_min=1", "monitor.progress=false"], cwd=REPO, stdout=subprocess.PIPE,
+         f"run.output_dir={run_dir}", f"sync.checkpoint_dir={checkpoint_dir}", "serve.step_s=3",
+         "monitor.progress=false"], cwd=REPO, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
         endpoints = _wait_for("endpoints.json", lambda: (run_dir / "endpoints.json").exists(), launcher)
@@ -71,10 +73,13 @@ def test_serve_mode_turns_sessions_into_shards_and_follows_published_weights(tmp
         assert after != before  # the same greedy prompt, other weights
         shards = _wait_for("the second session's shard", lambda: _shards(run_dir)[1:], launcher)
         assert [(s["step"], s["rows"], s["version"]) for s in shards] == [(1, 1, 1)]
-        out, err = launcher.communicate(timeout=180)  # serve.duration_min ends it
+        session("third")  # rewarded right after a step (serve.step_s=3): the next step would write it...
+        launcher.send_signal(signal.SIGINT)  # ...but the user stops the server first
+        out, err = launcher.communicate(timeout=120)
     finally:
         stop_launcher(launcher)
-    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    assert launcher.returncode == 130, out[-3000:] + err[-3000:]
     assert "mode serve: vLLM's OpenAI API on every engine" in " ".join(out.replace("│", " ").split())
-    assert "served 2 rewarded session(s)" in out and "weights versions served last: [1]" in " ".join(out.split())
+    assert [(s["step"], s["rows"], s["version"]) for s in _shards(run_dir)][2:] == [(2, 1, 1)]  # not lost
+    assert "Traceback" not in out + err
     assert not (run_dir / "owner.json").exists()

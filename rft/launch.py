@@ -243,6 +243,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         console,
         job_watch,
         print_summary,
+        local_rank_processes,
         stop_local_ranks,
         wait_until_gone,
         watch,
@@ -263,6 +264,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         return 130
     finally:
         if not done():
+            processes = [] if on_slurm else local_rank_processes(cfg.run.output_dir, log_dir, world)
             job.cancel()
             if not on_slurm:  # Slurm ends every process of a cancelled job; a local cancel does not
                 # submitit's local cancel gives the ranks a Ctrl-C and a second (serve mode writes
@@ -270,7 +272,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
                 deadline = time.monotonic() + 5.0
                 while not done() and time.monotonic() < deadline:
                     time.sleep(0.1)
-                stop_local_ranks(cfg.run.output_dir, log_dir, world)
+                stop_local_ranks(processes)
     if failure is not None:
         console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
         return 1

@@ -74,38 +74,50 @@ def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
     return alive
 
 
-def stop_local_ranks(run_dir: str, log_dir: str, world_size: int, wait_s: float = 30.0) -> list[int]:
-    """After a local job failed or was interrupted: SIGKILL every rank's process group (the rank
-    and what it started, vLLM's engine process included: rft/runtime/supervisor.py) and wait
-    until they are gone. submitit's cancel alone left ranks running (a rank ignores SIGTERM, as
-    Slurm's requeue needs): a trainer of the failed launch lived on for half a minute and trained
-    on experience the next launch into the same directory had written. Returns the ranks stopped.
-
-    Only processes whose command line names this job's log directory are touched, so a pid file
-    left from an earlier attempt never kills an unrelated process that reuses its number."""
+def local_rank_processes(run_dir: str, log_dir: str, world_size: int) -> list[tuple[int, int, bool]]:
+    """(rank, pid, leads a group) of every live rank process of a local job and of its supervising
+    task, from their pid files. Only processes whose command line names this job's log directory
+    count, so a pid file left from an earlier attempt never names an unrelated process that reuses
+    its number. Taken while the ranks live: a rank's process group (vLLM's engine process, reward
+    and tool subprocesses) outlives its leader."""
     from rft.job import pid_path
 
-    stopped, pids = [], []
+    found = []
     for rank in range(world_size):
-        for path in (pid_path(run_dir, rank), pid_path(run_dir, rank, supervisor=True)):
+        for path, leads in ((pid_path(run_dir, rank), True), (pid_path(run_dir, rank, supervisor=True), False)):
             try:
                 with open(path) as f:
                     pid = int(f.read().strip())
                 with open(f"/proc/{pid}/cmdline", "rb") as f:
-                    if os.path.abspath(log_dir).encode() not in f.read():
-                        continue
-                if path == pid_path(run_dir, rank):
-                    os.killpg(pid, signal.SIGKILL)  # the rank leads a process group of its own
-                else:
-                    os.kill(pid, signal.SIGKILL)  # its supervising task
+                    if os.path.abspath(log_dir).encode() in f.read():
+                        found.append((rank, pid, leads))
             except (OSError, ValueError):
                 continue  # gone already, or never started
-            pids.append(pid)
-            stopped.append(rank)
+    return found
+
+
+def stop_local_ranks(processes: list[tuple[int, int, bool]], wait_s: float = 30.0) -> list[int]:
+    """After a local job failed or was interrupted: SIGKILL every rank's process group (the rank
+    and what it started, vLLM's engine process included: rft/runtime/supervisor.py) and its
+    supervising task, and wait until they are gone. submitit's cancel alone left ranks running (a
+    rank ignores SIGTERM, as Slurm's requeue needs): a trainer of the failed launch lived on for
+    half a minute and trained on experience the next launch into the same directory had written;
+    and where submitit killed a task, its rank's vLLM engine lived on. Returns the ranks stopped."""
+    stopped, pids = set(), []
+    for rank, pid, leads in processes:
+        try:
+            if leads:
+                os.killpg(pid, signal.SIGKILL)  # the group outlives its leader: kill it by its id
+            else:
+                os.kill(pid, signal.SIGKILL)
+        except OSError:
+            continue  # the whole group is gone
+        pids.append(pid)
+        stopped.add(rank)
     deadline = time.monotonic() + wait_s
     while any(process_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
-    return sorted(set(stopped))
+    return sorted(stopped)
 
 
 def process_running(pid: int) -> bool:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,6 +48,24 @@ def launch_until_step(overrides: list[str], run_dir, step: int) -> subprocess.Po
             raise AssertionError(f"the run did not reach step {step}: {launcher.communicate()}")
         time.sleep(0.2)
     return launcher
+
+
+def leftovers(run_dir, ranks) -> list[str]:
+    """Processes still in the process group of any of these ranks (each rank leads one:
+    rft/runtime/supervisor.py), e.g. an orphaned vLLM engine: "<pid> <command>"."""
+    groups = {int((Path(run_dir) / "pids" / f"rank{r}.pid").read_text()) for r in ranks}
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if fields[0] != "Z" and int(fields[2]) in groups:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    command = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{entry} {command}")
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def stop_launcher(launcher: subprocess.Popen) -> None:

@@ -8,7 +8,7 @@ import signal
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.report import process_running as alive
-from tests.e2e.helpers import launch, launch_until_step, stop_launcher, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
 CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)
 # Trained, one row 20x the context made this rank reach 10.0 GiB in three SFT steps (attention over
@@ -71,6 +71,7 @@ def _kill_rollout_rank_mid_grpo(tmp_path, *extra: str) -> tuple[list[str], str]:
     assert first.returncode == 1
     # nothing of the failed launch lives on (its trainer once trained on the next launch's experience)
     assert not any(alive(int((run_dir / "pids" / f"rank{r}.pid").read_text())) for r in (0, 1))
+    assert leftovers(run_dir, (0, 1)) == []  # nor what they started (vLLM's engine process)
     assert "rank 1 failed: rollout rank 1 was killed by SIGKILL (signal 9; its memory peaked at" in out
     assert "Traceback" not in out + err and "KeyboardInterrupt" not in out + err  # the message only
     return overrides, out
@@ -130,6 +131,7 @@ def test_second_launch_into_a_live_run_is_refused(tmp_path):
     finally:
         stop_launcher(first)
     assert first.returncode == 130
+    assert leftovers(run_dir, (0, 1)) == []  # Ctrl-C leaves no rank, and no vLLM engine, behind
     assert "interrupted: job" in out and f"run.output_dir={run_dir} to resume" in " ".join(out.split())
     assert "Traceback" not in out + err
     assert not (run_dir / "owner.json").exists()  # released: the next launch may take it

@@ -61,8 +61,26 @@ def _step_dirs(run_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def _stand_ins(step_dir: str) -> dict[int, int]:
+    """Ranks lost before this checkpoint (rollout.on_engine_failure=continue) -> the engine whose
+    state a restarted one takes (engines' states differ only in their own totals)."""
+    try:
+        with open(os.path.join(step_dir, "stand_ins.json")) as f:
+            return {int(k): v for k, v in json.load(f).items()}
+    except FileNotFoundError:
+        return {}
+
+
+def record_stand_ins(run_dir: str, done: int, stand_ins: dict[int, int]) -> None:
+    """Rank 0, once the present ranks saved at `done`: the lost ones count as saved by stand-ins."""
+    from rft.monitor import write_json_atomic
+
+    write_json_atomic(os.path.join(checkpoint_root(run_dir), f"step{done:08d}", "stand_ins.json"), stand_ins)
+
+
 def _complete(step_dir: str, ranks: Sequence[int]) -> bool:
-    return all(os.path.exists(_rank_file(step_dir, r)) for r in ranks)
+    stand_ins = _stand_ins(step_dir)
+    return all(os.path.exists(_rank_file(step_dir, stand_ins.get(r, r))) for r in ranks)
 
 
 @dataclass(frozen=True)
@@ -73,7 +91,10 @@ class Resume:
     step_dir: str
 
     def load(self, rank: int) -> dict[str, Any]:
-        return torch.load(_rank_file(self.step_dir, rank), weights_only=False)
+        own = _rank_file(self.step_dir, rank)
+        if not os.path.exists(own):  # lost before this checkpoint: restart as the engine standing in
+            own = _rank_file(self.step_dir, _stand_ins(self.step_dir).get(rank, rank))
+        return torch.load(own, weights_only=False)
 
 
 def newest_complete(run_dir: str, ranks: Sequence[int]) -> Resume | None:

@@ -151,6 +151,19 @@ def control_members(cfg: RFTConfig, info: RankInfo) -> list[int]:
     return voting_ranks(cfg, info.trainer_ranks, info.trainer_ranks + info.rollout_ranks)
 
 
+def member_name(cfg: RFTConfig, info: RankInfo, rank: int) -> str:
+    """How errors name a voting rank: "trainer rank 0", "rollout rank 2 (engine 1)"."""
+    if rank < info.trainer_ranks:
+        return f"trainer rank {rank}"
+    engine = (rank - info.trainer_ranks) // engine_span(cfg)
+    return f"rollout rank {rank}" + (f" (engine {engine})" if engine_count(cfg) > 1 else "")
+
+
+def losable_members(cfg: RFTConfig, info: RankInfo) -> frozenset[int]:
+    """Voting ranks the run goes on without (rollout.on_engine_failure=continue: engine leaders)."""
+    return frozenset(engine_leaders(cfg, info)) if cfg.rollout.on_engine_failure == "continue" else frozenset()
+
+
 def is_judge_follower(cfg: RFTConfig, info: RankInfo) -> bool:
     """A judge task that only holds a GPU for the judge engine its group's first task runs."""
     from rft.config import judge_span
@@ -168,8 +181,10 @@ def engine_devices(cfg: RFTConfig, span: int | None = None) -> str:
     return ",".join(devices[local:local + span])
 
 
-def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
-    """Weight-sync membership, identical on every rank.
+def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool, engines: list[int] | None = None) -> "SyncLayout":
+    """Weight-sync membership, identical on every rank. `engines`: the engine leaders that take
+    part (default: all; rollout.on_engine_failure=continue leaves lost ones out, and the groups
+    without them get their own names).
 
     Megatron orders ranks tp fastest, then dp, then pp, so stage s's first rank (TP rank 0 of
     DP replica 0) is s x trainer_ranks / pp; it sends that stage. Each rollout rank contributes
@@ -179,10 +194,14 @@ def sync_layout(cfg: RFTConfig, info: RankInfo, on_gpu: bool) -> "SyncLayout":
 
     per_stage = cfg.cluster.trainer_ranks // cfg.trainer.pipeline_parallel_size
     workers = cfg.rollout.tensor_parallel_size
+    leaders = engine_leaders(cfg, info)
+    engines = leaders if engines is None else engines
     receivers = [f"engine {e} (rollout rank {leader}) worker {w}"
-                 for e, leader in enumerate(engine_leaders(cfg, info)) for w in range(workers)]
+                 for e, leader in enumerate(leaders) if leader in engines for w in range(workers)]
+    lost = [str(leader) for leader in leaders if leader not in engines]
     return SyncLayout(
         engine=sync_engine(cfg.sync, on_gpu), host=info.master_addr, port=info.weight_port,
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
         receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
-        checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"))
+        checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
+        groups=f"stage-without-{'-'.join(lost)}-" if lost else "stage")

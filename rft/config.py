@@ -134,6 +134,7 @@ class RolloutConfig:
     task_timeout_s: float = 600.0  # a workflow try running longer is cancelled (and retried)
     max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
     openai_api: bool = False  # every engine also serves vLLM's OpenAI API; rewarded sessions join the step's experience
+    on_engine_failure: str = "fail"  # fail: a lost engine ends the job, naming it | continue: the other engines take its tasks
     openai_port: int = 0  # engine e listens on openai_port + e (0: any free port); URLs in <run>/endpoints.json
 
 
@@ -545,6 +546,19 @@ def _check_judge(cfg: RFTConfig) -> None:
                      "or leave it unset to judge with the policy's starting weights (model.path)")
 
 
+def _check_engine_failure(cfg: RFTConfig) -> None:
+    policy, span = cfg.rollout.on_engine_failure, cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
+    if policy not in ("fail", "continue"):
+        config_error("rollout.on_engine_failure", policy, "use fail (a lost engine ends the job) or continue "
+                     "(the other engines take its tasks)")
+    if policy == "continue" and cfg.mode != "both":
+        config_error("rollout.on_engine_failure", policy, f"continue needs a trainer to go on with (mode=both); "
+                     f"mode={cfg.mode}'s engines host the job's meetings themselves")
+    if policy == "continue" and cfg.cluster.rollout_ranks // max(span, 1) < 2:
+        config_error("rollout.on_engine_failure", policy, "continue needs two engines or more "
+                     f"(cluster.rollout_ranks={cfg.cluster.rollout_ranks} makes one): nothing could go on")
+
+
 def _check_bench(cfg: RFTConfig) -> None:
     b = cfg.bench
     if not b.checkpoints and not b.run_dir:
@@ -571,6 +585,7 @@ def validate(cfg: RFTConfig) -> None:
         _check_bench(cfg)
     if cfg.mode == "serve":
         _check_serve(cfg)
+    _check_engine_failure(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):

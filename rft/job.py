@@ -47,7 +47,34 @@ def run_rank(config: dict, master_port: int) -> dict:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(str(os.getpid()))
-    return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
+    try:
+        return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
+    except Exception as err:  # not a Ctrl-C or a cancel: the whole job is ending then
+        _mark_lost(config, master_port, err)
+        raise
+
+
+def _mark_lost(config: dict, master_port: int, err: BaseException) -> None:
+    """Tell the job's meetings at once that this voting rank is gone (rft/runtime/membership.py):
+    the others then go on without an engine (rollout.on_engine_failure=continue) or fail naming
+    this rank, instead of waiting out sync.timeout_s. Rank 0 hosts the store: its loss ends the job."""
+    if config["mode"] in ("bench", "serve"):
+        return
+    try:
+        cfg, info = _rank_setup(config, master_port)
+        from rft.cluster import control_members
+
+        if info.rank == 0 or info.rank not in control_members(cfg, info):
+            return
+        import datetime
+
+        from rft.preemption import control_store
+        from rft.runtime.membership import mark_lost
+
+        how = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        mark_lost(control_store(info, datetime.timedelta(seconds=3)), info.rank, how)
+    except Exception as mark_err:  # the store is gone with rank 0, or never came up: the job ends anyway
+        print(f"could not mark this rank lost in the control store: {mark_err}", flush=True)
 
 
 def _rank_name(config: dict) -> str:
@@ -92,6 +119,21 @@ def _start_over_after_requeue(cfg, resume) -> None:
           f"{set_aside_attempt(cfg.run.output_dir)}", flush=True)
 
 
+def _rank_setup(config: dict, master_port: int):
+    """The typed config with the ranks this mode runs, and this task's RankInfo."""
+    from rft.cluster import rank_info_from_env
+    from rft.config import RFTConfig
+
+    cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
+    if cfg.mode == "train":  # offline: trainer ranks only
+        cfg.cluster.rollout_ranks = cfg.cluster.judge_ranks = 0
+    if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
+        cfg.cluster.trainer_ranks = 0
+    if cfg.mode == "serve":  # the OpenAI endpoint only (rft/explorer/serve.py)
+        cfg.cluster.trainer_ranks = cfg.cluster.judge_ranks = 0
+    return cfg, (None if cfg.mode == "bench" else rank_info_from_env(cfg.cluster, master_port))
+
+
 def _rank_main(config: dict, master_port: int) -> dict:
     from rft.cluster import (
         control_members,
@@ -99,22 +141,15 @@ def _rank_main(config: dict, master_port: int) -> dict:
         init_trainer_group,
         is_engine_follower,
         is_judge_follower,
-        rank_info_from_env,
+        losable_members,
+        member_name,
     )
-    from rft.config import RFTConfig
 
-    cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
+    cfg, info = _rank_setup(config, master_port)
     if cfg.mode == "bench":  # one rollout task, no trainer, no weight sync
         from rft.bench import run_bench
 
         return run_bench(cfg)
-    if cfg.mode == "train":  # offline: trainer ranks only
-        cfg.cluster.rollout_ranks = cfg.cluster.judge_ranks = 0
-    if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
-        cfg.cluster.trainer_ranks = 0
-    if cfg.mode == "serve":  # the OpenAI endpoint only (rft/explorer/serve.py)
-        cfg.cluster.trainer_ranks = cfg.cluster.judge_ranks = 0
-    info = rank_info_from_env(cfg.cluster, master_port)
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:
         f.write(str(os.getpid()))
@@ -158,7 +193,8 @@ def _rank_main(config: dict, master_port: int) -> dict:
         if info.role == "rollout" and cfg.cluster.gpus_per_node:
             os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg)  # this group's GPUs, for vLLM
         # every rank meets here, so no trainer claims experience before the rollback above
-        control = ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s)
+        control = ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s,
+                               lambda rank: member_name(cfg, info, rank), losable_members(cfg, info))
         if info.role == "trainer":
             from rft.trainer.trainer import run_trainer
 

@@ -256,7 +256,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
     try:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
-                        on_slurm=on_slurm)
+                        on_slurm=on_slurm, engine_of=losable_engines(cfg))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
         console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
@@ -293,6 +293,15 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     print_summary(summary)
     console.print(f"outputs: {cfg.run.output_dir}")
     return 0
+
+
+def losable_engines(cfg: RFTConfig) -> dict[int, int]:
+    """rank -> engine index for the ranks of engines the run goes on without (rollout.on_engine_failure)."""
+    from rft.cluster import engine_ranks
+
+    if cfg.rollout.on_engine_failure != "continue":
+        return {}
+    return {rank: e for e, ranks in enumerate(engine_ranks(cfg)) for rank in ranks}
 
 
 def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:

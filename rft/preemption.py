@@ -3,7 +3,7 @@
 Slurm sends SIGUSR2 to every task `signal_delay_s` before the time limit (submitit's
 `--signal=USR2@120`; `scancel -s USR2 <job>` sends it by hand, a site's preemption can too). Any
 rank's handler only raises a flag. At every step's control point all ranks (trainer and rollout)
-all-reduce their flags over a small gloo group, so all of them decide to stop at the same step,
+vote through the control store (rft/runtime/membership.py), so all of them stop at the same step,
 save their checkpoint files (rft/checkpoint.py), meet once more so the checkpoint is complete,
 and then rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless `cluster.max_requeues`
 is used up. The requeued job runs the same submitted ranks again; they find the checkpoint and
@@ -11,7 +11,7 @@ resume. SIGTERM stays ignored (submitit's choice): `scancel` sends it, and a can
 requeue itself. Hard kills (node failure, preemption without a signal) resume from the newest
 periodic checkpoint (`trainer.save_every_min`, `trainer.save_interval`).
 
-The control group's store listens on master_port + 2 (the trainer group uses master_port, the
+The control store listens on master_port + 2 (the trainer group uses master_port, the
 weight groups master_port + 1), hosted by global rank 0.
 """
 
@@ -61,28 +61,38 @@ class StopFlag:
 
 
 class ControlGroup:
-    """One gloo group over the ranks that vote (trainer ranks, engine leaders): the stop vote, barriers."""
+    """The ranks that vote (trainer ranks, engine leaders) meeting in the control store
+    (rft/runtime/membership.py): the stop vote, the checkpoint barrier. With
+    rollout.on_engine_failure=continue a lost engine leader is left out; any other lost member
+    ends the meeting with an error naming it."""
 
-    def __init__(self, info: RankInfo, members: list[int], timeout_s: float):
+    def __init__(self, info: RankInfo, members: list[int], timeout_s: float, name_of=None,
+                 tolerated: frozenset[int] = frozenset()):
+        from rft.runtime.membership import Meeting
+
         self.info, self.members, self.timeout = info, members, datetime.timedelta(seconds=timeout_s)
         self.store = control_store(info, self.timeout)
-        self.pg = dist.ProcessGroupGloo(dist.PrefixStore("rft-control", self.store), members.index(info.rank),
-                                        len(members), self.timeout)
+        self.meeting = Meeting(self.store, members, info.rank, timeout_s, name_of or (lambda r: f"rank {r}"), tolerated,
+                               hosts_store=info.rank == 0)
+        self.rounds = 0
+        self.vote()  # every member is up: nothing is taken before all ranks set up (rft/job.py)
+
+    @property
+    def present(self) -> list[int]:
+        """The members at the last meeting (all agree): the lost ones are not among them."""
+        return self.meeting.present
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if it is True on any rank (a collective: all ranks call it alike)."""
+        """True on every rank if it is True on any rank (a meeting: all ranks call it alike)."""
         return self.vote(flag)[0]
 
     def vote(self, *flags: bool) -> list[bool]:
-        """Each flag True on every rank if it is True on any rank: one collective for several
+        """Each flag True on every rank if it is True on any present rank: one meeting for several
         decisions (at a step's control point: stop? checkpoint now by time?). All ranks pass the
         same number of flags."""
-        t = torch.tensor([int(f) for f in flags], dtype=torch.int32)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
-        opts.timeout = self.timeout
-        self.pg.allreduce([t], opts).wait(self.timeout)
-        return [bool(v) for v in t.tolist()]
+        self.rounds += 1
+        posted = self.meeting.post(f"rft-control/{self.rounds}", [bool(f) for f in flags])
+        return [any(votes[i] for votes in posted.values()) for i in range(len(flags))]
 
     def finish(self) -> None:
         """Rank 0 at the end of the run: releases the GPU-holding tasks (`hold_until_finished`)."""

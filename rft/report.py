@@ -224,12 +224,12 @@ def wait_until_gone(job_id: str, timeout_s: float = 120.0) -> bool:
     return False
 
 
-def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
-                 alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> RankFailure | None:
-    """The rank that failed first: one that raised or was killed (submitit's result pickle says
-    error; rft/runtime/supervisor.py reports signals), or whose process vanished without a result.
-    The earliest by its result file's time: when one rank dies the others often fail after it
-    (a peer gone from a collective), and the first is the cause."""
+def find_failures(run_dir: str, log_dir: str, job_id: str, world_size: int,
+                  alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> list[RankFailure]:
+    """The ranks that failed, the first first: one that raised or was killed (submitit's result
+    pickle says error; rft/runtime/supervisor.py reports signals), or whose process vanished
+    without a result. Ordered by their result files' times: when one rank dies the others often
+    fail after it (a peer gone from a meeting), and the first is the cause."""
     alive = alive or local_rank_alive(run_dir)
     failures: list[tuple[float, RankFailure]] = []
     for rank in range(world_size):
@@ -246,14 +246,42 @@ def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
                 if state:
                     reason += f"; Slurm: job {job_id} {state}"
                 failures.append((time.time(), RankFailure(rank, log, reason)))
-    return min(failures, key=lambda f: f[0])[1] if failures else None
+    return [f for _, f in sorted(failures, key=lambda f: f[0])]
+
+
+def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
+                 alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> RankFailure | None:
+    """The rank that failed first (see find_failures), if any."""
+    return next(iter(find_failures(run_dir, log_dir, job_id, world_size, alive, on_slurm)), None)
+
+
+class EngineLosses:
+    """rollout.on_engine_failure=continue: the failures of engine ranks (`engine_of`: rank ->
+    engine index; empty when the job fails fast) are lost engines, said once each, not the job's
+    end, unless no engine is left."""
+
+    def __init__(self, engine_of: dict[int, int]):
+        self.engine_of, self.lost = engine_of, set()
+
+    def fatal(self, failures: list[RankFailure]) -> RankFailure | None:
+        for failure in failures:
+            engine = self.engine_of.get(failure.rank)
+            if engine is not None and engine not in self.lost:
+                self.lost.add(engine)
+                console.print(f"[yellow]engine {engine} lost: rank {failure.rank} failed: {failure.reason}\n  log: "
+                              f"{failure.log_path}\n  the run goes on without it (rollout.on_engine_failure=continue)",
+                              soft_wrap=True)
+        left = set(self.engine_of.values()) - self.lost
+        return next((f for f in failures if f.rank not in self.engine_of or not left), None)
 
 
 def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool, poll_s: float = 1.0,
           done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
-          on_slurm: bool = False) -> RankFailure | None:
-    """Render progress until the job ends; return the first failed rank, if any. While it
-    follows, the launcher's ownership of the run directory stays fresh (rft/runtime/run_dir.py)."""
+          on_slurm: bool = False, engine_of: dict[int, int] | None = None) -> RankFailure | None:
+    """Render progress until the job ends; return the first failed rank, if any (a lost engine's
+    ranks in `engine_of` are not the job's failure: EngineLosses). While it follows, the
+    launcher's ownership of the run directory stays fresh (rft/runtime/run_dir.py)."""
+    losses = EngineLosses(engine_of or {})
     from rft.runtime.run_dir import HEARTBEAT_S, heartbeat
 
     done = done or job.done
@@ -269,7 +297,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
             if time.monotonic() - beat > HEARTBEAT_S:
                 heartbeat(run_dir)
                 beat = time.monotonic()
-            failure = find_failure(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
+            failure = losses.fatal(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm))
             if failure is not None:
                 return failure
             endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))
@@ -285,7 +313,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")
             time.sleep(poll_s)
-    return find_failure(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
+    return losses.fatal(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm))
 
 
 def _read_json(path: str) -> dict | None:
@@ -335,6 +363,7 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
+            "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
             **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in ("calls", "timeouts", "errors")}}
                if any("judge_calls" in r for r in rollouts) else {}),
             "failed_path": os.path.join(run_dir, "buffer", "failed.jsonl"),
@@ -401,6 +430,9 @@ def print_summary(summary: dict) -> None:
     if any(stale.values()):
         console.print(f"[yellow]stale experience (buffer.max_staleness): {stale.get('dropped', 0)} shard(s) dropped, "
                       f"{stale.get('reweighted', 0)} re-weighted")
+    for rank, how in summary.get("engines_lost", {}).items():
+        console.print(f"[yellow]engine lost: {how.split(': ')[0]}; the run finished on {summary['engines']} engine(s)",
+                      soft_wrap=True)
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
     judge = summary.get("judge")

@@ -24,6 +24,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -205,10 +206,13 @@ class ExperienceBuffer:
                 raise self._no_experience(waited, timeout_s, f"min_step={min_step}")
             time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
 
-    def claim_step(self, consumer: int, producers: list[int], timeout_s: float, poll_s: float = 0.02) -> list[Claim]:
+    def claim_step(self, consumer: int, producers: list[int], timeout_s: float, poll_s: float = 0.02,
+                   lost: Callable[[list[int]], object] | None = None) -> list[Claim]:
         """Lease the oldest step's shards, one from each of `producers`, once all of them are
         ready (a job with several engines: each writes its own shard of every step, and the
-        trainer trains a step on all of them). Waits up to `timeout_s`."""
+        trainer trains a step on all of them). Waits up to `timeout_s`. `lost(missing)`: which of
+        the producers still missing are gone for good (rollout.on_engine_failure=continue); the
+        step is then taken without them."""
         start = time.monotonic()
         while True:
             self.release_expired()
@@ -216,9 +220,12 @@ class ExperienceBuffer:
             step = _sort_key(ready[0])[0] if ready else None
             of_step = {_sort_key(n)[1]: n for n in ready if _sort_key(n)[0] == step}
             missing = [p for p in producers if p not in of_step]
+            if ready and missing and lost is not None:
+                gone = lost(missing)
+                missing = [p for p in missing if p not in gone]
             waited = time.monotonic() - start
             if ready and not missing:
-                claims = [self._try_claim(of_step[p], consumer) for p in producers]
+                claims = [self._try_claim(of_step[p], consumer) for p in producers if p in of_step]
                 if any(c is None for c in claims):
                     raise RuntimeError(f"step {step}'s shards in {self.root} were taken by another consumer: "
                                        "one trainer (rank 0) claims a job's experience")

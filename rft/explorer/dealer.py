@@ -14,8 +14,16 @@ the prompt and the conversation). Experience does not depend on which engine ran
 sample's seed comes from the task's index, and each engine's rows are sorted by it.
 
 `total` and `gather` are the engines' meeting points (dynamic sampling's kept groups of a round,
-an evaluation's results): every engine posts, every engine waits for all, with the control
-group's timeout and an error that names the engines that never posted.
+an evaluation's results): every engine posts, every engine waits for all (rft/runtime/membership.py),
+with the control group's timeout and an error that names the engines that never posted.
+
+Losing an engine (rollout.on_engine_failure=continue): the counter simply stops handing it tasks,
+but the tasks it took are lost with it (its shard of the step is never written). At the end of a
+batch the engines meet and post the tasks they ran (`redeal`); the ones nobody ran are dealt
+again among the engines left, the same way, until none is left:
+
+    outcome = run(deal(batch))
+    while (again := redeal(batch, outcome.tasks_run)) is not None:  outcome += run(again)
 
 Why a store counter rather than a router process (verl, slime): the engines live in separate
 Slurm tasks on any node, the store already joins them, and a counter needs no process of its own
@@ -24,10 +32,8 @@ that could die.
 
 from __future__ import annotations
 
-import datetime
 import itertools
 import math
-import pickle
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,11 +55,27 @@ def local_deal(tasks: int) -> Deal:
 
 
 class Dealer:
-    """Engine `index` of `count`; keys live under `prefix` in the control group's store."""
+    """Engine `index` of `count`; keys live under `prefix` in the control group's store. `ranks`
+    are the engines' global ranks (their leaders'), how the store marks a lost one; `tolerated`
+    the ones the run goes on without (rft/runtime/membership.py)."""
 
-    def __init__(self, store: dist.Store, index: int, count: int, timeout_s: float, prefix: str = "rft-deal"):
+    def __init__(self, store: dist.Store, index: int, count: int, timeout_s: float, prefix: str = "rft-deal",
+                 ranks: list[int] | None = None, tolerated: frozenset[int] = frozenset()):
         self.store, self.index, self.count, self.timeout_s = store, index, count, timeout_s
         self.prefix = prefix
+        self.ranks = ranks or list(range(count))
+        self.meeting = None
+        if count > 1:
+            from rft.runtime.membership import Meeting
+
+            self.meeting = Meeting(store, self.ranks, self.ranks[index], timeout_s, self._name, tolerated)
+
+    def _name(self, rank: int) -> str:
+        return f"rollout engine {self.ranks.index(rank)} (rank {rank})"
+
+    def present(self) -> int:
+        """Engines at the last meeting (fewer than `count` once one is lost)."""
+        return len(self.meeting.present) if self.meeting else 1
 
     def deal(self, batch: str, tasks: int) -> Deal:
         """This engine's share of batch `batch` (a name every engine uses alike) of `tasks` tasks.
@@ -63,30 +85,34 @@ class Dealer:
         """
         if self.count == 1:
             return local_deal(tasks)
-        key = f"{self.prefix}/{batch}/next"
-        # a TCP round trip to rank 0 (~0.1 ms), taken on the engine's event loop between tasks
-        return Deal(claim=lambda: self.store.add(key, 1) - 1,
-                    window=max(1, math.ceil(tasks / (2 * self.count))))
+        return self._deal_of(f"{self.prefix}/{batch}/next", list(range(tasks)), tasks)
 
-    def gather(self, key: str, payload: object) -> list[object]:
-        """Every engine's `payload` for `key`, in engine order (a barrier: all engines call it)."""
+    def _deal_of(self, key: str, indices: list[int], tasks: int) -> Deal:
+        def claim() -> int:
+            # a TCP round trip to rank 0 (~0.1 ms), taken on the engine's event loop between tasks
+            j = self.store.add(key, 1) - 1
+            return indices[j] if j < len(indices) else tasks
+
+        return Deal(claim=claim, window=max(1, math.ceil(len(indices) / (2 * self.present()))))
+
+    def redeal(self, batch: str, tasks: int, ran: list[int]) -> Deal | None:
+        """After this engine ran `ran` of batch `batch`'s `tasks` tasks: a deal of the ones no
+        engine ran (an engine was lost holding them), or None when every task ran (a meeting:
+        every engine calls it alike; `batch` must be new for each call of a batch's redeals)."""
         if self.count == 1:
-            return [payload]
-        base = f"{self.prefix}/{key}"
-        names = [f"{base}/{e}" for e in range(self.count)]
-        self.store.set(names[self.index], pickle.dumps(payload))
-        try:
-            self.store.wait(names, datetime.timedelta(seconds=self.timeout_s))
-        except Exception as err:  # torch's DistStoreError / timeout: name who is missing
-            missing = [e for e, name in enumerate(names) if not self.store.check([name])]
-            raise TimeoutError(f"rollout engine {self.index}: engine(s) {missing} did not report {key!r} within "
-                               f"{self.timeout_s:.0f}s (sync.timeout_s): did they die? see their logs") from err
-        payloads = [pickle.loads(self.store.get(name)) for name in names]
-        if self.store.add(f"{base}/read", 1) == self.count:  # the last reader frees rank 0's memory
-            for name in names + [f"{base}/read"]:
-                self.store.delete_key(name)
-        return payloads
+            return None
+        done = {i for share in self.gather(f"{batch}/ran", ran).values() for i in share}
+        left = [i for i in range(tasks) if i not in done]
+        return self._deal_of(f"{self.prefix}/{batch}/again", left, tasks) if left else None
+
+    def gather(self, key: str, payload: object) -> dict[int, object]:
+        """Every present engine's `payload` for `key`, by engine index (a meeting: all engines
+        call it alike; a lost engine that never posted is missing)."""
+        if self.meeting is None:
+            return {self.index: payload}
+        posted = self.meeting.post(f"{self.prefix}/{key}", payload)
+        return {self.ranks.index(rank): value for rank, value in sorted(posted.items())}
 
     def total(self, key: str, value: int) -> int:
-        """The sum of every engine's `value` (a barrier)."""
-        return sum(self.gather(key, value))
+        """The sum of every present engine's `value` (a meeting)."""
+        return sum(self.gather(key, value).values())

@@ -23,7 +23,7 @@ from rft.buffer.experience import Experience, to_table
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import Task, TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume
-from rft.cluster import RankInfo, engine_count, engine_index, engine_span, sync_layout
+from rft.cluster import RankInfo, engine_count, engine_index, engine_leaders, losable_members, sync_layout
 from rft.config import RFTConfig, context_length, needs_rollouts
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
@@ -100,9 +100,10 @@ class Explorer:
             engine.version = self.version.value
         if runtime.resumed_at is not None:
             drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
-        self.joined = False  # the trainer opens the weight groups at its first sync
+        self.receiving_from: list[int] | None = None  # the engines of the weight groups this rank joined
         self.engine = engine_index(cfg, info)
-        self.dealer = Dealer(runtime.group.store, self.engine, engine_count(cfg), cfg.sync.timeout_s)
+        self.dealer = Dealer(runtime.group.store, self.engine, engine_count(cfg), cfg.sync.timeout_s,
+                             ranks=engine_leaders(cfg, info), tolerated=losable_members(cfg, info))
         # sample seeds name the batch, never the engine (any engine may run any task); the first
         # rollout rank's number keeps the seeds that single-engine runs had
         self.first_rollout_rank = info.trainer_ranks
@@ -157,10 +158,9 @@ class Explorer:
         start = time.time()
 
         def generate(num_tasks: int, round_index: int) -> list[Experience]:
-            batch = f"{step.global_step}:{round_index}"
             key = (self.cfg.seed, step.global_step, round_index, self.first_rollout_rank)
-            outcomes.append(self.runner.run(self.cursor.next_batch(num_tasks), algo.group_size, sampling, key,
-                                            batch, deal=self.dealer.deal(batch, num_tasks)))
+            outcomes.append(self._run_dealt(self.cursor.next_batch(num_tasks), algo.group_size, sampling, key,
+                                            f"{step.global_step}:{round_index}"))
             return outcomes[-1].experiences
 
         def kept_by_all(kept: int, round_index: int) -> int:
@@ -180,7 +180,23 @@ class Explorer:
         return {"timing/rollout_s": generated - start, "timing/buffer_write_s": written - generated,
                 "perf/tokens_per_s": sum(e.sampled_tokens for e in experiences) / max(generated - start, 1e-9),
                 **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats, **self._judge_scalars(),
-                **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {})}
+                **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {}),
+                **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {})}
+
+    def _run_dealt(self, tasks: list[Task], samples: int, sampling: Sampling, key: tuple, batch: str,
+                   evaluation: bool = False) -> Outcome:
+        """This engine's share of a batch (rft/explorer/dealer.py), and of the tasks an engine lost
+        on the way took with it."""
+        outcome = self.runner.run(tasks, samples, sampling, key, batch, evaluation,
+                                  deal=self.dealer.deal(batch, len(tasks)))
+        again = 0
+        while (deal := self.dealer.redeal(f"{batch}/again{again}", len(tasks), outcome.tasks_run)) is not None:
+            outcome.add(self.runner.run(tasks, samples, sampling, key, batch, evaluation, deal=deal))
+            again += 1
+        if again:
+            print(f"engine {self.engine}: an engine was lost in batch {batch}; its tasks were dealt again "
+                  f"to the {self.dealer.present()} engine(s) left", flush=True)
+        return outcome
 
     def _judge_scalars(self) -> dict[str, float]:
         """judge/calls, timeouts, errors, latency since the last call; added to the run's totals."""
@@ -192,12 +208,15 @@ class Explorer:
 
     def receive_weights(self) -> float:
         """Take the weights the trainer publishes now; the seconds the engines spent loading them."""
-        if not self.joined:  # the trainer opens the groups at its first sync, not before
-            layout = sync_layout(self.cfg, self.info, torch.cuda.is_available())
-            first = self.info.role_rank // engine_span(self.cfg) * self.cfg.rollout.tensor_parallel_size
+        # the engines at the vote before this sync: with rollout.on_engine_failure=continue a lost one
+        # is left out, and the groups are opened anew without it (the trainer sees the same vote)
+        present = [r for r in engine_leaders(self.cfg, self.info) if r in self.runtime.group.present]
+        if present != self.receiving_from:  # the trainer opens the groups at its first sync, not before
+            layout = sync_layout(self.cfg, self.info, torch.cuda.is_available(), present)
+            first = present.index(self.info.rank) * self.cfg.rollout.tensor_parallel_size
             for engine in self.engines:
                 engine.open_weight_receiver(layout, first)
-            self.joined = True
+            self.receiving_from = present
         applied = max(engine.receive_weights() for engine in self.engines)
         self.version.value = self.engines[0].version
         return applied
@@ -211,14 +230,14 @@ class Explorer:
         start = time.time()
         sampling = Sampling(rollout.eval_temperature, 1.0, rollout.max_new_tokens, tuple(rollout.stop))
         batch = f"eval-{stage.index}-{when}-{global_step}"
-        outcome = self.runner.run(self.eval_tasks, 1, sampling, (self.cfg.seed, "eval"), batch, evaluation=True,
-                                  deal=self.dealer.deal(batch, len(self.eval_tasks)))
+        outcome = self._run_dealt(self.eval_tasks, 1, sampling, (self.cfg.seed, "eval"), batch, evaluation=True)
         self.runtime.progress.add(eval_s=time.time() - start, reward_errors=outcome.reward_errors,
                                   failed_samples=outcome.failed, eval_samples=outcome.samples)
         judged = self._judge_scalars()  # the evaluation's judge calls count in the totals
-        outcomes = self.dealer.gather(batch, outcome)  # every engine's share; engine 0 reports
-        if self.engine != 0:
+        shares = self.dealer.gather(batch, outcome)  # every engine's share; the first present one reports
+        if self.engine != min(shares):
             return
+        outcomes = list(shares.values())
         experiences = [e for o in outcomes for e in o.experiences]
         trajectories = {e.trajectory_id: e for e in experiences}.values()  # step_wise: one per trajectory
         accuracy = sum(float(e.reward) for e in trajectories) / len(self.eval_tasks)  # a failed task scores 0

@@ -292,7 +292,7 @@ def serve_endpoint(cfg, engine, dealer, index: int) -> OpenAIEndpoint:
     port = cfg.rollout.openai_port + index if cfg.rollout.openai_port else free_port()
     endpoint = OpenAIEndpoint(engine, host, port, token)
     endpoint.start()
-    urls = dealer.gather("openai-urls", endpoint.url)
+    urls = list(dealer.gather("openai-urls", endpoint.url).values())
     path = os.path.join(cfg.run.output_dir, "endpoints.json")
     if index == 0:
         write_endpoints(path, token, urls, endpoint.served_name)

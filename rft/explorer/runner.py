@@ -22,7 +22,7 @@ import json
 import os
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rft.buffer.experience import Experience
 from rft.buffer.taskset import Task
@@ -54,6 +54,14 @@ class Outcome:
     retries: int = 0  # tries after a failed first one
     timeouts: int = 0  # tries cancelled by rollout.task_timeout_s
     reward_errors: int = 0  # samples whose reward raised or timed out (scored 0.0)
+    tasks_run: list[int] = field(default_factory=list)  # indices of the batch's tasks this engine ran
+
+    def add(self, other: Outcome) -> None:
+        """Count `other` (more tasks of the same batch) in this outcome."""
+        self.experiences += other.experiences
+        self.tasks_run += other.tasks_run
+        for name in ("samples", "failed", "retries", "timeouts", "reward_errors"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 def sample_seed(*key: object) -> int:
@@ -99,8 +107,9 @@ class WorkflowRunner:
                 outcome.samples += samples
 
         await asyncio.gather(*(take_tasks() for _ in range(min(deal.window, len(tasks)))))
-        for _, experiences in sorted(done, key=lambda d: d[0]):
+        for i, experiences in sorted(done, key=lambda d: d[0]):
             outcome.experiences += experiences
+            outcome.tasks_run.append(i)
         outcome.reward_errors = self.scorer.errors + self.scorer.timeouts - errors_before
         return outcome
 

@@ -33,8 +33,12 @@ class WeightReceiver:
     def rft_open_weight_receiver(self, layout: dict, first_index: int) -> None:
         from rft.weights.engines import SyncLayout, make_receiver
 
-        # one receiver per vLLM TP worker; `self.rank` is the worker's rank inside this engine
+        # one receiver per vLLM TP worker; `self.rank` is the worker's rank inside this engine. Opened
+        # again when the job lost an engine: a checkpoint receiver keeps the version it has loaded
+        previous = getattr(self, "rft_receiver", None)
         self.rft_receiver = make_receiver(SyncLayout(**layout), first_index + self.rank)
+        if hasattr(previous, "version"):
+            self.rft_receiver.version = previous.version
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").addFilter(_rotary_noise)
 
     def _rft_reload(self, load: "Callable[[Callable], object]") -> tuple[object, float]:

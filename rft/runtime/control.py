@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from rft.checkpoint import Resume, SaveClock
+from rft.checkpoint import Resume, SaveClock, record_stand_ins
 from rft.cluster import RankInfo
 from rft.config import RFTConfig, stage_configs
 from rft.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
@@ -87,6 +87,12 @@ class Runtime:
         for hook in self.save_hooks:
             hook(done)
         self.group.any(False)  # every rank's file is written: the checkpoint is complete
+        absent = [r for r in self.group.members if r not in self.group.present]
+        if absent:  # engines lost (rollout.on_engine_failure=continue): complete once rank 0 names stand-ins
+            if self.info.rank == 0:
+                engines = [r for r in self.group.present if r in self.group.meeting.tolerated]
+                record_stand_ins(self.cfg.run.output_dir, done, {r: engines[0] for r in absent})
+            self.group.any(False)
         for hook in self.saved_hooks:
             hook(done)
         self.clock.saved()

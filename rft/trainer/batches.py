@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import pyarrow as pa
 import torch
@@ -73,9 +74,9 @@ class ExperienceReader:
     is their shards of it together; without (experience from elsewhere), one shard at a time."""
 
     def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float,
-                 producers: list[int] | None = None):
+                 producers: list[int] | None = None, lost: Callable[[list[int]], object] | None = None):
         self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
-        self.producers = producers
+        self.producers, self.lost = producers, lost  # lost(missing): producers gone for good (engines lost)
         self.claims: list = []
 
     def next_table(self) -> tuple[object, float, float]:
@@ -84,7 +85,8 @@ class ExperienceReader:
         payload = [None]
         if self.info.rank == 0:
             if self.producers:
-                self.claims = self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s)
+                self.claims = self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s,
+                                                     self.lost)
             else:
                 self.claims = [self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)]
             payload = [pa.concat_tables([c.table for c in self.claims])]

@@ -30,16 +30,23 @@ class WeightPublisher:
         self.exports = ps.get_data_parallel_rank() == 0
         self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
         self.sender = None
+        self.cfg, self.info, self.on_gpu = cfg, info, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
+        self.engines = None  # all of them
         if info.rank == layout.sender_ranks[stage]:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
 
-    def publish(self, model, version: int) -> int:
-        """Send the weights as `version` (trainer steps done); returns payload bytes sent by this rank."""
+    def publish(self, model, version: int, engines: list[int] | None = None) -> int:
+        """Send the weights as `version` (trainer steps done); returns payload bytes sent by this rank.
+        `engines`: the engine leaders to send to, when the job lost some (all by default); the
+        weight groups are opened anew without the lost ones, as the engines do (rft/explorer/explorer.py)."""
         self.version = version
         if not self.exports:
             return 0
+        if self.sender is not None and engines != self.engines:
+            self.sender.reopen(sync_layout(self.cfg, self.info, self.on_gpu, engines))
+            self.engines = engines
         tensors = export_hf_weights(model, self.geo)
         if self.sender is None:
             for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates

@@ -20,11 +20,12 @@ from rft.buffer.context_fit import ContextFit
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume, prune, rng_state, set_rng_state
-from rft.cluster import RankInfo, engine_leaders
+from rft.cluster import RankInfo, engine_leaders, losable_members
 from rft.config import RFTConfig, context_length, needs_critic, needs_rollouts, stage_configs
 from rft.monitor import progress_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage
+from rft.runtime.membership import lost_ranks
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
@@ -60,7 +61,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
                 point.meet(scalars)
                 if point.publishes:
                     with runtime.timed("sync_s"):
-                        sync_start, sent = time.time(), publisher.publish(model, step.global_step)
+                        sync_start, sent = time.time(), publisher.publish(model, step.global_step,
+                                                                          present_engines(cfg, info, group))
                         scalars.update(sync_scalars(sent, time.time() - sync_start))
             scalars["timing/step_s"], step_start = time.time() - step_start, time.time()
             runtime.log(stage, step.global_step, scalars)
@@ -68,7 +70,15 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
                 write_json_atomic(progress_path(cfg.run.output_dir), {
                     "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
                     "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
-    return runtime.finish({"role": "trainer"})
+    lost = lost_ranks(group.store, engine_leaders(cfg, info)) if info.rank == 0 and losable_members(cfg, info) else {}
+    return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {})})
+
+
+def present_engines(cfg: RFTConfig, info: RankInfo, group: ControlGroup) -> list[int] | None:
+    """The engine leaders at the vote before a sync; None (all) unless the run may lose engines."""
+    if not losable_members(cfg, info):
+        return None
+    return [r for r in engine_leaders(cfg, info) if r in group.present]
 
 
 def sync_scalars(sent: int, seconds: float) -> dict[str, float]:
@@ -108,7 +118,10 @@ class Learner:
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
         producers = engine_leaders(cfg, info) if cfg.mode == "both" else None  # each engine writes a shard per step
-        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers)
+        lost = None
+        if losable_members(cfg, info):  # rollout.on_engine_failure=continue: a lost engine's shards never come
+            lost = lambda missing: lost_ranks(runtime.group.store, missing)  # noqa: E731
+        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers, lost)
 
     def begin(self, stage: Stage) -> None:
         """The stage's optimizer, frozen reference, critic and dataset (restored if resumed here)."""
@@ -161,6 +174,8 @@ class Learner:
             batch, scalars = experience_batch(table)
             algo, drop = self._staleness(table, scalars)
             scalars.update({"timing/wait_s": waited})
+            if self.reader.producers and len(self.reader.producers) > 1:
+                scalars["buffer/engines"] = float(len(self.reader.claims))  # engines whose shards this step trains
             self.runtime.progress.add(wait_s=waited)
         else:
             io_s, scalars = 0.0, {}

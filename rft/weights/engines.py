@@ -29,6 +29,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
+import torch.distributed as dist
 
 from rft.monitor import write_json_atomic
 from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
@@ -60,6 +61,7 @@ class SyncLayout:
     timeout_s: float
     bucket_bytes: int
     checkpoint_dir: str
+    groups: str = "stage"  # weight group s is named <groups><s>: a new name when the members change
 
     def peer_names(self, stage: int) -> list[str]:
         """Names of weight group `stage`'s members in group-rank order."""
@@ -73,12 +75,18 @@ class BroadcastSender:
     def __init__(self, layout: SyncLayout, stage: int):
         self.layout, self.stage = layout, stage
         self.group: WeightGroup | None = None
+        self.store: dist.Store | None = None
+
+    def reopen(self, layout: SyncLayout) -> None:
+        """Send to `layout`'s members from the next sync on, in new groups (an engine was lost);
+        the store stays: stage 0's sender hosts it on the weight port."""
+        self.layout, self.group = layout, None
 
     def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         lay = self.layout
         if self.group is None:
-            store = open_store(lay.host, lay.port, self.stage == 0, lay.timeout_s)
-            self.group = open_weight_group(store, f"stage{self.stage}", 0, 1 + len(lay.receiver_names),
+            self.store = store = self.store or open_store(lay.host, lay.port, self.stage == 0, lay.timeout_s)
+            self.group = open_weight_group(store, f"{lay.groups}{self.stage}", 0, 1 + len(lay.receiver_names),
                                            lay.timeout_s, lay.peer_names(self.stage), lay.engine)
         return send_weights(self.group, table, tensors, version, lay.bucket_bytes)
 
@@ -92,7 +100,7 @@ class BroadcastReceiver:
         lay = self.layout
         if not self.groups:
             store = open_store(lay.host, lay.port, False, lay.timeout_s)
-            self.groups = [open_weight_group(store, f"stage{s}", 1 + self.index, 1 + len(lay.receiver_names),
+            self.groups = [open_weight_group(store, f"{lay.groups}{s}", 1 + self.index, 1 + len(lay.receiver_names),
                                              lay.timeout_s, lay.peer_names(s), lay.engine)
                            for s in range(len(lay.sender_ranks))]
         versions, tail_s = set(), 0.0
@@ -124,6 +132,9 @@ class CheckpointSender:
         # 2: a receiver may still be reading the previous version; None: keep all (HF exports)
         self.layout, self.stage, self.hf_files_from = layout, stage, hf_files_from
         self.keep_versions = keep_versions
+
+    def reopen(self, layout: SyncLayout) -> None:
+        self.layout = layout  # readers find the files whoever they are
 
     def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         from safetensors.torch import save_file

@@ -7,10 +7,12 @@ import os
 import signal
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from rft.buffer.shards import ExperienceBuffer
+from rft.checkpoint import newest_complete
 from rft.report import process_running as alive
-from tests.e2e.helpers import launch, launch_until_step, stop_launcher, tensorboard_scalars
+from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
 SFT, GRPO = 300, 8
 
@@ -52,8 +54,8 @@ def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
 
 
 def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):
-    """Losing one of two engines ends the job at once (the default; a run that goes on without it is
-    not built yet), naming the engine, its rank and its log; the other engine goes with the job."""
+    """Losing one of two engines ends the job at once (the default, rollout.on_engine_failure=fail),
+    naming the engine, its rank and its log; the other engine goes with the job."""
     run_dir = tmp_path / "run"
     overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
                  "cluster.rollout_ranks=2", "stages.0.trainer.max_steps=20", "stages.1.trainer.max_steps=200"]
@@ -74,3 +76,56 @@ def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):
     for rank in range(3):  # nothing of the job is left running
         assert not alive(int((run_dir / "pids" / f"rank{rank}.pid").read_text())), rank
 
+
+
+def test_with_continue_the_engine_left_takes_a_lost_engines_tasks_and_the_run_finishes(tmp_path):
+    """rollout.on_engine_failure=continue: engine 1 (rank 2) is killed by SIGKILL while it generates
+    the step after trainer step KILL_AFTER. The run goes on: engine 0 generates the tasks engine 1
+    took with it and every later task, the weight sync reaches it without the lost engine, every
+    step trains, the checkpoints after the loss are complete, and the summary says so."""
+    sft, grpo, kill_after = 60, 8, 62
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "RFT_KILL_RUN_DIR": str(run_dir), "RFT_KILL_RANK": "2",
+           "RFT_KILL_AFTER_STEP": str(kill_after)}
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "cluster.rollout_ranks=2",
+                    "rollout.on_engine_failure=continue", "trainer.save_interval=2",
+                    "algorithm.reward=tests.e2e.engine_killer.exact_match_then_die",
+                    f"stages.0.trainer.max_steps={sft}", f"stages.1.trainer.max_steps={grpo}", timeout=900, env=env)
+    out = " ".join(result.stdout.split())
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert (run_dir / "killed-engine").exists()
+    assert "engine 1 lost: rank 2 failed: rollout rank 2 (engine 1) was killed by SIGKILL" in out, out[-3000:]
+    assert "engine lost: rollout rank 2 (engine 1) was killed by SIGKILL (signal 9; its memory peaked at" in out
+    assert "the run finished on 1 engine(s)" in out, out[-3000:]
+    assert "Traceback" not in result.stdout + result.stderr
+
+    shards = defaultdict(dict)  # step -> producer -> (rows, version)
+    for line in (run_dir / "buffer" / "manifest.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        shards[entry["step"]][entry["producer"]] = (entry["rows"], entry["version"])
+    assert sorted(shards) == list(range(sft, sft + grpo))  # every step has experience
+    lost_at = min(step for step, by_producer in shards.items() if 2 not in by_producer)
+    assert lost_at == kill_after, sorted((s, sorted(p)) for s, p in shards.items())  # died generating that step
+    for step, by_producer in shards.items():
+        assert sum(rows for rows, _ in by_producer.values()) == 32 * 8, (step, by_producer)  # no task lost
+        assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)  # synced every step
+        if step >= lost_at:
+            assert sorted(by_producer) == [1], (step, by_producer)  # engine 0 alone, its lost tasks included
+    consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
+    assert len(consumed) == len(set(consumed)) == sum(len(p) for p in shards.values())  # each shard trained once
+
+    scalars = tensorboard_scalars(str(run_dir))
+    assert sorted(s for s, _ in scalars["loss/policy"])[-grpo:] == list(range(sft + 1, sft + grpo + 1))
+    engines = dict(scalars["buffer/engines"])
+    assert [engines[s + 1] for s in range(sft, sft + grpo)] == [2.0] * (lost_at - sft) + [1.0] * (sft + grpo - lost_at)
+    evals = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
+    assert evals[-1]["stage"] == "grpo" and evals[-1]["when"] == "end" and evals[-1]["num_tasks"] == 200
+
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert list(summary["engines_lost"]) == ["2"] and "SIGKILL" in summary["engines_lost"]["2"]
+    resume = newest_complete(str(run_dir), [0, 1, 2])  # complete although rank 2 saved nothing after its loss
+    assert resume is not None and resume.done == sft + grpo
+    assert not (Path(resume.step_dir) / "rank2.pt").exists()
+    assert json.loads((Path(resume.step_dir) / "stand_ins.json").read_text()) == {"2": 1}
+    assert resume.load(2)["version"] == resume.load(1)["version"]  # a relaunched engine 1 starts as engine 0
+    assert leftovers(run_dir, [0, 1, 2]) == []

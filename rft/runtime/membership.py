@@ -1,0 +1,101 @@
+"""Meetings of the job's voting ranks through the control store, and ranks that are lost.
+
+A meeting is a barrier that carries a payload: every member posts under the meeting's key and
+waits until every other member has posted or is *lost*. A rank is lost once the task process that
+supervised it (rft/job.py) marks it in the store after it died or failed (`rft-lost/<rank>`, with
+how it ended). What a lost member means depends on the run:
+
+    members the run may lose (`tolerated`: the engine leaders with rollout.on_engine_failure=continue)
+        the meeting goes on without it; `Meeting.post` returns what the others posted
+    any other member (the default: fail fast)
+        the meeting raises at once, naming the rank, its role and how it ended
+
+A member that never posts and is never marked (its node is gone) ends the meeting after the
+timeout with an error naming it. Why the store and not a gloo all-reduce: a gloo group cannot go
+on without a member, and a store meeting tells "dead" from "slow" by the mark instead of a timeout.
+
+Every member that posted is seen by every reader (a member is marked only after it died, so it
+cannot post once lost), so all readers agree on who was present.
+"""
+
+from __future__ import annotations
+
+import pickle
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+LOST = "rft-lost"
+
+
+class MemberLostError(RuntimeError):
+    """A member the run cannot go on without failed or died."""
+
+
+def mark_lost(store: dist.Store, rank: int, how: str) -> None:
+    """Tell the job's meetings that `rank` is gone (`how`: the launcher's line on how it ended)."""
+    store.set(f"{LOST}/{rank}", how)
+
+
+def lost_ranks(store: dist.Store, ranks: list[int]) -> dict[int, str]:
+    """Which of `ranks` are marked lost, and how each ended."""
+    return {r: store.get(f"{LOST}/{r}").decode(errors="replace") for r in ranks if store.check([f"{LOST}/{r}"])}
+
+
+class Meeting:
+    """`members` (global ranks) meeting through `store`; `me` is this rank."""
+
+    def __init__(self, store: dist.Store, members: list[int], me: int, timeout_s: float,
+                 name_of: Callable[[int], str], tolerated: frozenset[int] = frozenset(), hosts_store: bool = False):
+        self.store, self.members, self.me, self.timeout_s = store, members, me, timeout_s
+        self.name_of, self.tolerated = name_of, tolerated
+        self.hosts_store = hosts_store  # the store ends with this process: it leaves a meeting last
+        self.present: list[int] = list(members)  # who posted at the last meeting (every member agrees)
+
+    def post(self, key: str, payload: object) -> dict[int, object]:
+        """Post `payload` under `key` (a name every member uses alike); every present member's
+        payload, by rank, once all have posted or are lost."""
+        names = {r: f"{key}/{r}" for r in self.members}
+        self.store.set(names[self.me], pickle.dumps(payload))
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0005
+        waiting = [r for r in self.members if r != self.me]
+        while True:
+            # check() of a key that is there is one round trip; a timed-out store.wait() is avoided:
+            # torch's TCPStore client may read its late reply as the answer to the next command
+            waiting = [r for r in waiting if not self.store.check([names[r]])]
+            if not waiting:
+                break
+            gone = lost_ranks(self.store, waiting)
+            for rank, how in gone.items():
+                if rank not in self.tolerated:
+                    raise MemberLostError(f"{self.name_of(rank)} failed: {how}; see its log")
+            waiting = [r for r in waiting if r not in gone]
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name_of(self.me)}: {', '.join(self.name_of(r) for r in waiting)} did not "
+                                   f"reach {key!r} within {self.timeout_s:.0f}s (sync.timeout_s): stalled, or on a "
+                                   "node that is gone? see their logs")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.02)
+        present = [r for r in self.members if self.store.check([names[r]])]
+        payloads = {r: pickle.loads(self.store.get(names[r])) for r in present}
+        if self.store.add(f"{key}/read", 1) == len(present):  # the last reader frees rank 0's memory
+            for r in present:
+                self.store.delete_key(names[r])
+            self.store.delete_key(f"{key}/read")
+        elif self.hosts_store:
+            self._wait_for_readers(f"{key}/read", present, deadline)
+        self.present = present
+        return payloads
+
+    def _wait_for_readers(self, read_key: str, present: list[int], deadline: float) -> None:
+        """The store's host returns once every present member has read (or is lost): it may end
+        right after the meeting (the run's last one), and the store with it."""
+        while self.store.check([read_key]) and time.monotonic() < deadline:
+            unread = len(present) - self.store.add(read_key, 0)
+            if unread <= len(lost_ranks(self.store, present)):
+                return
+            time.sleep(0.002)

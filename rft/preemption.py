@@ -23,7 +23,6 @@ import signal
 import subprocess
 import time
 
-import torch
 import torch.distributed as dist
 
 from rft.cluster import RankInfo
@@ -73,7 +72,7 @@ class ControlGroup:
         self.info, self.members, self.timeout = info, members, datetime.timedelta(seconds=timeout_s)
         self.store = control_store(info, self.timeout)
         self.meeting = Meeting(self.store, members, info.rank, timeout_s, name_of or (lambda r: f"rank {r}"), tolerated,
-                               hosts_store=info.rank == 0)
+                               host=0)
         self.rounds = 0
         self.vote()  # every member is up: nothing is taken before all ranks set up (rft/job.py)
 

@@ -195,6 +195,9 @@ def make_executor(cfg: RFTConfig, folder: str):
         params["mem"] = f"{c.mem_gb}GB"
     if c.sbatch_extra:
         params["additional_parameters"] = dict(c.sbatch_extra)
+    if cfg.rollout.on_engine_failure == "continue":
+        # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero
+        params["srun_args"] = ["--kill-on-bad-exit=0"]
     executor.update_parameters(**params)
     return executor
 

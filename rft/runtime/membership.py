@@ -47,10 +47,12 @@ class Meeting:
     """`members` (global ranks) meeting through `store`; `me` is this rank."""
 
     def __init__(self, store: dist.Store, members: list[int], me: int, timeout_s: float,
-                 name_of: Callable[[int], str], tolerated: frozenset[int] = frozenset(), hosts_store: bool = False):
+                 name_of: Callable[[int], str], tolerated: frozenset[int] = frozenset(), host: int | None = None):
         self.store, self.members, self.me, self.timeout_s = store, members, me, timeout_s
         self.name_of, self.tolerated = name_of, tolerated
-        self.hosts_store = hosts_store  # the store ends with this process: it leaves a meeting last
+        # the member whose process hosts the store (None: not a member): the store ends with it, so
+        # it leaves a meeting last, once every other member has read, and frees the meeting's keys
+        self.host = host
         self.present: list[int] = list(members)  # who posted at the last meeting (every member agrees)
 
     def post(self, key: str, payload: object) -> dict[int, object]:
@@ -82,19 +84,21 @@ class Meeting:
             pause = min(pause * 2, 0.02)
         present = [r for r in self.members if self.store.check([names[r]])]
         payloads = {r: pickle.loads(self.store.get(names[r])) for r in present}
-        if self.store.add(f"{key}/read", 1) == len(present):  # the last reader frees rank 0's memory
-            for r in present:
-                self.store.delete_key(names[r])
-            self.store.delete_key(f"{key}/read")
-        elif self.hosts_store:
-            self._wait_for_readers(f"{key}/read", present, deadline)
+        read_key = f"{key}/read"
+        readers = self.store.add(read_key, 1)
+        # one member deletes the keys, so no add(read_key, 0) can bring a deleted counter back
+        if self.me == self.host:
+            self._wait_for_readers(read_key, present, deadline)
+        if self.me == self.host or (self.host is None and readers == len(present)):
+            for name in [names[r] for r in present] + [read_key]:
+                self.store.delete_key(name)
         self.present = present
         return payloads
 
     def _wait_for_readers(self, read_key: str, present: list[int], deadline: float) -> None:
-        """The store's host returns once every present member has read (or is lost): it may end
-        right after the meeting (the run's last one), and the store with it."""
-        while self.store.check([read_key]) and time.monotonic() < deadline:
+        """Until every present member has read (or is lost since): the host may end right after
+        the meeting (the run's last one), and the store with it."""
+        while time.monotonic() < deadline:
             unread = len(present) - self.store.add(read_key, 0)
             if unread <= len(lost_ranks(self.store, present)):
                 return

@@ -150,3 +150,17 @@ def test_site_profile_composes_from_the_repo_and_from_a_config_dir(tmp_path):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", "cluster=mysite", f"run.output_dir={tmp_path}",
                       f"hydra.searchpath=[file://{tmp_path / 'site'}]", "cluster.account=other")
     assert cfg.cluster.kind == "slurm" and cfg.cluster.partition == "a100" and cfg.cluster.account == "other"
+
+
+@pytest.mark.parametrize("overrides, why", [
+    (["rollout.on_engine_failure=retry"], "use fail"),
+    (["rollout.on_engine_failure=continue"], "two engines or more"),  # the quickstart has one
+    (["rollout.on_engine_failure=continue", "cluster.rollout_ranks=2", "mode=explore"], "mode=both"),
+])
+def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, why):
+    cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}", *overrides)
+    with pytest.raises(ValueError, match=rf"rollout\.on_engine_failure=.*{why}"):
+        validate(cfg)
+    cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}",
+                      "rollout.on_engine_failure=continue", "cluster.rollout_ranks=2")
+    validate(cfg)  # two engines training: accepted

@@ -64,14 +64,18 @@ def _two_engines_profile(tmp_path) -> RFTConfig:
     return cfg
 
 
-@pytest.mark.parametrize("profile, golden", [(_gpu_profile, GOLDEN),
-                                             (_two_engines_profile, GOLDEN_TWO_ENGINES)])
-def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
-    # submitit's executor refuses to exist where `srun` is not on PATH; writing the script needs none
+def _srun_on_path(tmp_path, monkeypatch) -> None:
+    """submitit's executor refuses to exist where `srun` is not on PATH; writing the script needs none."""
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "srun").write_text("#!/bin/sh\nexit 1\n")
     (tmp_path / "bin" / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
+
+
+@pytest.mark.parametrize("profile, golden", [(_gpu_profile, GOLDEN),
+                                             (_two_engines_profile, GOLDEN_TWO_ENGINES)])
+def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
+    _srun_on_path(tmp_path, monkeypatch)
     cfg = profile(tmp_path)
     executor = make_executor(cfg, str(tmp_path / "logs"))
     script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
@@ -84,6 +88,19 @@ def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
     with open(golden) as f:
         assert script == f.read(), "sbatch script changed; rerun with RFT_UPDATE_GOLDEN=1 if intended"
     assert tasks_per_node(cfg) == 8
+
+
+def test_with_continue_a_lost_engines_task_does_not_end_the_others(tmp_path, monkeypatch):
+    _srun_on_path(tmp_path, monkeypatch)
+    cfg = _two_engines_profile(tmp_path)
+    srun_lines = {}
+    for policy in ("fail", "continue"):
+        cfg.rollout.on_engine_failure = policy
+        executor = make_executor(cfg, str(tmp_path / "logs"))
+        script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
+        srun_lines[policy] = next(line for line in script.splitlines() if line.startswith("srun "))
+    assert "--kill-on-bad-exit=0" in srun_lines["continue"]  # whatever the site's KillOnBadExit
+    assert "kill-on-bad-exit" not in srun_lines["fail"]  # fail fast: the site's default stands
 
 
 def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):

@@ -106,6 +106,8 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0  # entropy bonus weight
     dpo_beta: float = 0.1  # DPO: strength of the implicit KL to the reference (policy_loss=dpo, mode=train)
     reward: str = "exact_match"  # exact_match | math_verify | llm_judge (asks the judge engines) | dotted path
+    ppo_epochs: int = 1  # passes over each rollout batch (old logprobs, advantages fixed for the batch)
+    mini_batch_size: int = 0  # rows per optimizer step (0: the whole batch); steps = ppo_epochs x ceil(rows / this)
     lr: float = 1e-5  # AdamW learning rate
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0: no clipping)
@@ -173,6 +175,8 @@ class TrainerConfig:
     save_every_min: float = 30.0  # checkpoint when this many minutes passed since the last one (0: off)
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
+    loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
+    distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
 
 
 @dataclass
@@ -424,6 +428,14 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.dual_clip_c", algo.dual_clip_c, "must be > 1, e.g. 3.0")
     if algo.tis_cap is not None and algo.tis_cap <= 0:
         config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
+    if algo.ppo_epochs < 1:
+        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs, "use 1 or more passes over each batch")
+    if algo.mini_batch_size < 0:
+        config_error(f"{prefix}algorithm.mini_batch_size", algo.mini_batch_size,
+                     "use 0 (the whole batch per optimizer step) or a number of rows")
+    if algo.policy_loss == "dpo" and (algo.ppo_epochs > 1 or algo.mini_batch_size):
+        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs,
+                     "DPO takes one optimizer step per batch of pairs: leave ppo_epochs=1 and mini_batch_size=0")
 
 
 def generated_data(cfg: RFTConfig) -> list[RFTConfig]:
@@ -650,6 +662,9 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
         if trainer.micro_batch_size < 1:
             config_error(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
+        if trainer.loss_scale is not None and trainer.loss_scale <= 0:
+            config_error(f"{prefix}trainer.loss_scale", trainer.loss_scale,
+                         "use a positive scale, or null for dynamic scaling with fp16 (1 with bf16/fp32)")
         tp = trainer.tensor_parallel_size
         if cfg.cluster.trainer_ranks % tp:
             config_error(f"{prefix}trainer.tensor_parallel_size", tp,

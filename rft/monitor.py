@@ -71,6 +71,20 @@ class Monitor:
         # flushed by its own thread every few seconds: no file I/O on the step's critical path
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard", rank_name), flush_secs=5,
                                     purge_step=resume_step)
+        self.rank_name, self.resumed, self.optim_writer = rank_name, resume_step is not None, None
+
+    def log_optimizer_steps(self, first: int, steps: list[dict[str, float]]) -> None:
+        """Each optimizer step's scalars (PPO epochs and mini-batches give several per trainer step)
+        in TensorBoard run `<rank name>_optim/`, whose x axis counts optimizer steps from 1; the
+        trainer steps' own scalars (their means) stay in the rank's run."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.optim_writer is None:  # a resumed run hides what the last attempt logged after `first`
+            self.optim_writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard", f"{self.rank_name}_optim"),
+                                              flush_secs=5, purge_step=first if self.resumed else None)
+        for n, scalars in enumerate(steps):
+            for key, value in scalars.items():
+                self.optim_writer.add_scalar(f"optim/{key}", float(value), global_step=first + n)
 
     def log(self, step: int, scalars: dict[str, float], stage: str) -> None:
         for key, value in scalars.items():
@@ -79,6 +93,8 @@ class Monitor:
 
     def close(self) -> None:
         self.writer.close()
+        if self.optim_writer is not None:
+            self.optim_writer.close()
 
 
 def progress_path(run_dir: str) -> str:

@@ -109,6 +109,7 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
     from rft.trainer.forward import pack_microbatch
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.trainer.publisher import WeightPublisher
     from rft.weights.convert import load_hf_weights
@@ -120,7 +121,7 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = build_optimizer(model, lr=1e-3)
     batch = StepBatch(prompt_ids=[s[:4] for s in SEQUENCES], response_ids=[s[4:] for s in SEQUENCES])
     for _ in range(train_steps):
         train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=1, pad_id=0)

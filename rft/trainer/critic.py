@@ -29,7 +29,8 @@ from rft.algorithms.value_loss import clipped_value_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch
 from rft.trainer.pipeline import forward_pipelined
-from rft.trainer.train_step import StepBatch, _dp, _place, _response_part, backward_and_step
+from rft.trainer.optimizer import build_optimizer
+from rft.trainer.train_step import StepBatch, _dp, _place, _response_part, backward_and_step, step_scalars
 
 
 class ValueHead(torch.nn.Module):
@@ -82,15 +83,16 @@ def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
 class Critic:
     """The value model and its optimizer: scores batches, steps on the value loss, checkpoints."""
 
-    def __init__(self, model, algo: AlgorithmConfig):
+    def __init__(self, model, algo: AlgorithmConfig, loss_scale: float | None = None, distributed: bool = False):
         self.model = model
         # constant LR (no warm-up): the critic has to track returns from the first step
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=algo.critic_lr, weight_decay=algo.weight_decay,
-                                           betas=(0.9, 0.99))
+        self.optimizer = build_optimizer(model, lr=algo.critic_lr, weight_decay=algo.weight_decay,
+                                         loss_scale=loss_scale, distributed=distributed)
 
     @classmethod
-    def build(cls, hf_path: str, dtype: str, policy, algo: AlgorithmConfig, seed: int) -> "Critic":
-        return cls(build_critic_model(hf_path, dtype, policy, seed), algo)
+    def build(cls, hf_path: str, dtype: str, policy, algo: AlgorithmConfig, seed: int,
+              loss_scale: float | None = None, distributed: bool = False) -> "Critic":
+        return cls(build_critic_model(hf_path, dtype, policy, seed), algo, loss_scale, distributed)
 
     def values(self, batch: StepBatch, chunks: list[list[int]], mbs: list[Microbatch]) -> torch.Tensor | None:
         """Response-aligned values [B, T_resp] of EVERY row of the batch (GAE whitens batch-wide),
@@ -134,10 +136,10 @@ class Critic:
             sums["critic/returns_mean"] += masked_token_mean(target, mask).item() * tokens
             return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
-        sums, grad_norm = backward_and_step(self.model, self.optimizer, mbs, loss_fn, sums, algo.grad_clip,
+        sums, result = backward_and_step(self.model, self.optimizer, mbs, loss_fn, sums, algo.grad_clip,
                                             head=lambda out, mb: (values_of(out, mb),))
         metrics = {k: v / num_tokens for k, v in sums.items()}
-        metrics["critic/grad_norm"] = grad_norm
+        metrics.update(step_scalars(result, "critic"))
         return metrics
 
     def state_dict(self) -> dict:

@@ -14,7 +14,7 @@ from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
 from rft.trainer.pipeline import forward_logprobs_pipelined
-from rft.trainer.train_step import StepBatch, _dp, backward_and_step
+from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
 
 
 def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -47,9 +47,9 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
             sums[key] += float(metrics[name]) * n
         return loss.sum() / num_pairs
 
-    sums, grad_norm = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip, with_entropy=False)
+    sums, result = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip, with_entropy=False)
     metrics = {k: v / num_pairs for k, v in sums.items()}
     metrics["loss/policy"] = metrics["loss/dpo"]
-    metrics["actor/grad_norm"] = grad_norm
+    metrics.update(step_scalars(result))
     metrics["train/tokens"] = float(sum(len(r) for r in batch.response_ids))
     return metrics

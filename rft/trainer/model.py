@@ -102,6 +102,9 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
+        # losses are normalised by the whole batch's token count (train_step.py): Megatron's DDP
+        # must sum gradients over DP replicas, not average them
+        calculate_per_token_loss=True,
     )
     model = GPTModel(
         config=config,

@@ -1,14 +1,20 @@
-"""One optimizer step: a policy-gradient loss on a batch of experience, or SFT on reference answers.
+"""A trainer step: a policy-gradient loss on a batch of experience, or SFT on reference answers.
 
-Both share the same shape: split the rows over data-parallel ranks, run microbatches (through the
-pipeline stages, rft/trainer/pipeline.py), let the loss aggregation turn each microbatch's
-per-token losses into its share of the batch loss (counts over the whole batch, so every DP and
-microbatch layout gives the same loss), all-reduce gradients, clip, step. What the loss is comes
-from the algorithm registries (rft/algorithms/): advantage estimator (over the whole batch, before
-the split), policy loss, KL to a frozen reference (loss term or reward penalty), entropy bonus,
-aggregation, and truncated importance sampling against vLLM's logprobs. With a critic
-(`advantage=gae`, rft/trainer/critic.py) its values feed the advantages and it takes its own step
-towards the returns after the policy's.
+    fixed = advantages, old logprobs, reference logprobs, V_old   # once, before any update
+    for epoch in range(algorithm.ppo_epochs):
+        for mini_batch in batch, algorithm.mini_batch_size rows at a time:
+            one optimizer step on it                              # then the critic's, if any
+
+An optimizer step splits its rows over data-parallel ranks, runs microbatches (through the
+pipeline stages, rft/trainer/pipeline.py), lets the loss aggregation turn each microbatch's
+per-token losses into its share of the mini-batch loss (counts over the whole mini-batch, so every
+DP and microbatch layout gives the same loss), and leaves gradient sums, clipping and the update to
+the optimizer (rft/trainer/optimizer.py). What the loss is comes from the algorithm registries
+(rft/algorithms/): advantage estimator (over the whole batch, before the split), policy loss, KL to
+a frozen reference (loss term or reward penalty), entropy bonus, aggregation, and truncated
+importance sampling against vLLM's logprobs. With a critic (`advantage=gae`, rft/trainer/critic.py)
+its values feed the advantages and it takes its own step towards the returns after each of the
+policy's.
 """
 
 from __future__ import annotations
@@ -25,8 +31,8 @@ from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
+from rft.trainer.optimizer import StepResult, TrainerOptimizer
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
-from rft.weights.hf_megatron import tp_split_dim
 
 
 @dataclass
@@ -81,35 +87,6 @@ def _pad_rows(rows: list[list[float]], width: int) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r)
     return out
-
-
-def grad_norm_and_clip(model, max_norm: float) -> float:
-    """Global grad L2 norm over TP shards and PP stages (replicated params counted once); clips in place."""
-    from megatron.core import parallel_state
-
-    tp = parallel_state.get_tensor_model_parallel_world_size()
-    pp = parallel_state.get_pipeline_model_parallel_world_size()
-    # under PP a tied output layer on the last stage mirrors the embedding: count that one once
-    mirror = pp > 1 and model.share_embeddings_and_output_weights and not model.pre_process
-    total = torch.zeros(1)
-    grads = []
-    for name, p in model.named_parameters():
-        if p.grad is None:
-            continue
-        grads.append(p.grad)
-        if mirror and name == "output_layer.weight":
-            continue
-        sq = p.grad.detach().float().pow(2).sum().cpu()
-        total += sq if (tp_split_dim(name) is not None or tp == 1) else sq / tp
-    if tp > 1:
-        dist.all_reduce(total, group=parallel_state.get_tensor_model_parallel_group())
-    if pp > 1:
-        dist.all_reduce(total, group=parallel_state.get_pipeline_model_parallel_group())
-    norm = float(total.sqrt())
-    if max_norm > 0 and norm > max_norm:
-        for g in grads:
-            g.mul_(max_norm / (norm + 1e-6))
-    return norm
 
 
 def _place(batch: StepBatch, idx: list[int], per_response: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -168,47 +145,34 @@ def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logpr
     return estimator(inputs, algo)
 
 
-def _sync_grads(model) -> None:
-    """Sum gradients over DP replicas, over the two copies of a tied embedding under PP, and
-    over TP for q/k norms (replicated weights, but each TP rank normalises only its own heads)."""
-    from megatron.core import parallel_state as ps
-
-    if ps.get_tensor_model_parallel_world_size() > 1:
-        for name, p in model.named_parameters():
-            if p.grad is not None and name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
-                dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-    dp_rank, dp_size, dp_group = _dp()
-    if dp_size > 1:
-        for p in model.parameters():
-            if p.grad is not None:
-                dist.all_reduce(p.grad, group=dp_group)
-    if ps.get_pipeline_model_parallel_world_size() > 1 and model.share_embeddings_and_output_weights \
-            and ps.is_rank_in_embedding_group():
-        weight = model.shared_embedding_or_output_weight()
-        dist.all_reduce(weight.grad, group=ps.get_embedding_group())
-
-
-def backward_and_step(model, optimizer, mbs: list[Microbatch], loss_fn, sums: dict[str, float], grad_clip: float,
-                      with_entropy: bool = True, head=None) -> tuple[dict[str, float], float]:
-    """Forward/backward every microbatch (`loss_fn` adds its statistics to `sums`), sum gradients
-    and statistics over DP (statistics also over PP: only the last stage computes losses), clip,
-    step. `head` turns the model's output into loss_fn's inputs (pipeline.forward_backward;
-    default: logprobs and entropy). Returns (the summed statistics, the grad norm before clipping)."""
+def backward_and_step(model, optimizer: TrainerOptimizer, mbs: list[Microbatch], loss_fn, sums: dict[str, float],
+                      grad_clip: float, with_entropy: bool = True, head=None) -> tuple[dict[str, float], StepResult]:
+    """Forward/backward every microbatch (`loss_fn` adds its statistics to `sums`; its loss is
+    scaled by the optimizer's loss scale), sum statistics over DP (and over PP: only the last
+    stage computes losses), then the optimizer's step (rft/trainer/optimizer.py: gradient sums,
+    clipping, fp32 masters). `head` turns the model's output into loss_fn's inputs
+    (pipeline.forward_backward; default: logprobs and entropy). Returns the summed statistics and
+    how the step went."""
     from megatron.core import parallel_state as ps
 
     _, dp_size, dp_group = _dp()
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    forward_backward(model, mbs, loss_fn, with_entropy, head)
-    _sync_grads(model)
+    optimizer.zero_grad()
+    forward_backward(model, mbs, lambda *args: optimizer.scale_loss(loss_fn(*args)), with_entropy, head)
     stats = torch.tensor(list(sums.values()))
     if dp_size > 1:
         dist.all_reduce(stats, group=dp_group)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         dist.all_reduce(stats, group=ps.get_pipeline_model_parallel_group())
-    grad_norm = grad_norm_and_clip(model, grad_clip)
-    optimizer.step()
-    return dict(zip(sums, stats.tolist())), grad_norm
+    return dict(zip(sums, stats.tolist())), optimizer.step(grad_clip)
+
+
+def step_scalars(result: StepResult, prefix: str = "actor") -> dict[str, float]:
+    """What to log of an optimizer step: the grad norm, a skipped step, a loss scale other than 1."""
+    scalars = {f"{prefix}/grad_norm": result.grad_norm, f"{prefix}/step_skipped": float(not result.stepped)}
+    if result.loss_scale != 1.0:
+        scalars[f"{prefix}/loss_scale"] = result.loss_scale
+    return scalars
 
 
 def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) -> tuple[float, float]:
@@ -221,66 +185,129 @@ def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) ->
     return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
 
 
-def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
-               pad_id: int, ref_model=None, norm_len: int = 1, critic=None) -> dict[str, float]:
-    """Forward/backward over microbatches (pipelined when PP > 1), then one optimizer step.
-    `norm_len` is the constant of the seq-mean-token-sum-norm aggregation (max response length).
-    `critic` (rft.trainer.critic.Critic, RL batches only): its values before the update feed the
-    advantage estimator, its returns are the critic's targets, and it steps after the policy."""
+def mini_batches(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> list[list[int]]:
+    """This DP rank's rows of each optimizer step: the batch's rows in order, `mini_batch_size` per
+    step (0: all), each step's rows dealt over the DP ranks."""
+    size = mini_batch_size or num_rows
+    return [list(range(s, min(s + size, num_rows)))[dp_rank::dp_size] for s in range(0, num_rows, size)]
+
+
+def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
+               pad_id: int, ref_model=None, norm_len: int = 1, critic=None,
+               per_optimizer_step: list[dict[str, float]] | None = None) -> dict[str, float]:
+    """`algorithm.ppo_epochs` passes over the batch, each in mini-batches of
+    `algorithm.mini_batch_size` rows, one optimizer step per mini-batch (one step for the whole
+    batch by default). Everything the updates are measured against is computed once, before the
+    first: advantages, the old logprobs (vLLM's, or the trainer's own with `tis_cap`), the frozen
+    reference's logprobs, the critic's V_old. Returns the step's scalars, averaged over its
+    optimizer steps (`train/optimizer_steps` of them); `per_optimizer_step`, if given, receives
+    each optimizer step's own. `norm_len` is the constant of the seq-mean-token-sum-norm
+    aggregation (max response length). `critic` (rft.trainer.critic.Critic, RL batches only): its
+    values before the update feed the advantage estimator, its returns are the critic's targets,
+    and it steps after each of the policy's steps."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp_group = _dp()
-    rows = list(range(dp_rank, len(batch.prompt_ids), dp_size))
     device = next(model.parameters()).device
-    num_tokens, num_seqs = _global_counts(batch, rows, dp_group, dp_size)
-    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0, "actor/is_weight": 0.0}
     is_rl = batch.rewards is not None
-    chunks = [rows[s: s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
+
+    def micro(rows: list[int]) -> list[list[int]]:
+        return [rows[s: s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
 
     def pack(idx_chunks):
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
                                 pad_id, device, [batch.mask_of(i) for i in idx]) for idx in idx_chunks]
 
-    mbs = pack(chunks)
-    policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
-    aggregate = AGGREGATIONS.resolve(algo.loss_agg)
+    steps = [micro(rows) for rows in mini_batches(len(batch.prompt_ids), algo.mini_batch_size, dp_rank, dp_size)]
+    step_mbs = [pack(chunks) for chunks in steps]
+    chunks = [c for step in steps for c in step]  # this rank's rows, for the forwards before any update
+    mbs = [mb for step in step_mbs for mb in step]
+    rows = [i for c in chunks for i in c]
+    width = max((len(r) for r in batch.response_ids), default=0)
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
-    kl_in_loss = use_ref and algo.kl_mode == "loss"
-    ref_logprobs = forward_logprobs_pipelined(ref_model, mbs) if kl_in_loss else None
+    ref_logprobs = None
+    if use_ref and algo.kl_mode == "loss":
+        ref_logprobs = _response_aligned(batch, chunks, forward_logprobs_pipelined(ref_model, mbs), width)
     ref_all = all_chunks = None
     if use_ref and algo.kl_mode == "reward":
         # the penalty enters batch-wide advantages: every row's reference logprobs are needed
         # (a pipelined forward: every stage takes part, the last one gets the logprobs)
-        all_rows = list(range(len(batch.prompt_ids)))
-        all_chunks = [all_rows[s: s + micro_batch_size] for s in range(0, len(all_rows), micro_batch_size)]
+        all_chunks = micro(list(range(len(batch.prompt_ids))))
         ref_all = forward_logprobs_pipelined(ref_model, pack(all_chunks))
     # V_old of every row (a pipelined collective; on the last stage): GAE's input, the value clip's anchor
     old_values = critic.values(batch, chunks, mbs) if is_rl and critic is not None else None
     advantages = returns = rollout_old = trainer_old = None
     if is_rl and ps.is_pipeline_last_stage():
-        ref_response = None
-        if ref_all is not None:
-            ref_response = torch.zeros(len(batch.prompt_ids), max(len(r) for r in batch.response_ids))
-            for idx, lp in zip(all_chunks, ref_all):
-                _response_part(batch, idx, lp.float().cpu(), ref_response)
+        ref_response = _response_aligned(batch, all_chunks, ref_all, width) if ref_all is not None else None
         estimated = batch_advantages(batch, algo, ref_response, old_values)
         advantages, returns = estimated.advantages, estimated.returns
         rollout_old = _response_tensors(batch)[1]
-    if is_rl and algo.tis_cap is not None:
-        with torch.no_grad():  # the trainer's own logprobs before the update: the PPO ratio's base
-            trainer_old = forward_logprobs_pipelined(model, mbs)
+    if is_rl and algo.tis_cap is not None:  # the trainer's own logprobs before any update: the PPO ratio's base
+        trainer_old = _response_aligned(batch, chunks, forward_logprobs_pipelined(model, mbs), width)
+    fixed = Fixed(advantages, rollout_old, trainer_old, ref_logprobs, old_values, returns)
+    done = []
+    for _epoch in range(algo.ppo_epochs):
+        for step_chunks, step_mb in zip(steps, step_mbs):
+            done.append(_optimizer_step(model, optimizer, batch, algo, step_chunks, step_mb, fixed, norm_len,
+                                        critic))
+    if per_optimizer_step is not None:
+        per_optimizer_step.extend(done)
+    metrics = {k: sum(d[k] for d in done) / len(done) for k in done[0]}
+    metrics["actor/step_skipped"] = sum(d["actor/step_skipped"] for d in done)
+    metrics["train/tokens"] = _global_counts(batch, rows, dp_group, dp_size)[0]  # the batch's, once
+    metrics["train/optimizer_steps"] = float(len(done))
+    return metrics
+
+
+@dataclass
+class Fixed:
+    """What a batch's optimizer steps are measured against, computed before the first, response-
+    aligned [B, T_resp] (None where unused, and on all but the last pipeline stage)."""
+
+    advantages: torch.Tensor | None
+    rollout_old: torch.Tensor | None  # vLLM's logprobs
+    trainer_old: torch.Tensor | None  # the trainer's own before the update (tis_cap)
+    ref_logprobs: torch.Tensor | None  # the frozen reference's (kl_mode=loss)
+    old_values: torch.Tensor | None  # the critic's V_old
+    returns: torch.Tensor | None  # the critic's targets
+
+
+def _response_aligned(batch: StepBatch, chunks: list[list[int]], packed: list[torch.Tensor] | None,
+                      width: int) -> torch.Tensor | None:
+    """Per-microbatch values (a pipelined forward's, None off the last stage) as [B, width]."""
+    if packed is None:
+        return None
+    out = torch.zeros(len(batch.prompt_ids), width)
+    for idx, values in zip(chunks, packed):
+        _response_part(batch, idx, values.float().cpu(), out)
+    return out
+
+
+def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig,
+                    chunks: list[list[int]], mbs: list[Microbatch], fixed: Fixed, norm_len: int,
+                    critic) -> dict[str, float]:
+    """One optimizer step on the rows of `chunks` (this DP rank's share of a mini-batch, packed as
+    `mbs`), the loss normalised by the mini-batch's counts over every DP rank."""
+    _, dp_size, dp_group = _dp()
+    is_rl = batch.rewards is not None
+    num_tokens, num_seqs = _global_counts(batch, [i for c in chunks for i in c], dp_group, dp_size)
+    sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0, "actor/is_weight": 0.0}
+    policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
+    aggregate = AGGREGATIONS.resolve(algo.loss_agg)
+    kl_in_loss = is_rl and fixed.ref_logprobs is not None
 
     def loss_fn(m: int, mb: Microbatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         mask = mb.loss_mask
         tokens = mask.sum().item()
         view = SimpleNamespace(**asdict(algo))
         if is_rl:
-            old = _place(batch, chunks[m], rollout_old, logprobs)
-            adv = _place(batch, chunks[m], advantages, logprobs)
-            if trainer_old is not None:
-                view.is_weights = truncated_is_weights(trainer_old[m], old, algo.tis_cap, mask)
+            old = _place(batch, chunks[m], fixed.rollout_old, logprobs)
+            adv = _place(batch, chunks[m], fixed.advantages, logprobs)
+            if fixed.trainer_old is not None:
+                trainer_old = _place(batch, chunks[m], fixed.trainer_old, logprobs)
+                view.is_weights = truncated_is_weights(trainer_old, old, algo.tis_cap, mask)
                 sums["actor/is_weight"] += masked_token_mean(view.is_weights, mask).item() * tokens
-                old = trainer_old[m]
+                old = trainer_old
         else:
             old = adv = torch.zeros_like(logprobs)
         per_token, metrics = policy_loss(logprobs, old, adv, mask, view)
@@ -288,7 +315,8 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
         if "clipfrac" in metrics:
             sums["actor/clipfrac"] += float(metrics["clipfrac"]) * tokens
         if kl_in_loss:
-            kl = KL_ESTIMATORS.resolve(algo.kl_estimator)(logprobs, ref_logprobs[m])
+            kl = KL_ESTIMATORS.resolve(algo.kl_estimator)(logprobs, _place(batch, chunks[m], fixed.ref_logprobs,
+                                                                           logprobs))
             per_token = per_token + algo.kl_coef * kl
             sums["loss/kl"] += masked_token_mean(kl, mask).item() * tokens
         if entropy is not None:
@@ -297,14 +325,14 @@ def train_step(model, optimizer, batch: StepBatch, algo: AlgorithmConfig, micro_
                 per_token = per_token - algo.entropy_coef * entropy
         return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
-    sums, grad_norm = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
+    sums, result = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
     metrics = {k: v / num_tokens for k, v in sums.items()}
     if algo.tis_cap is None or not is_rl:  # (trainer_old is None on all but the last PP stage)
         del metrics["actor/is_weight"]
-    metrics["actor/grad_norm"] = grad_norm
-    metrics["train/tokens"] = num_tokens
+    metrics.update(step_scalars(result))
     if not is_rl:
         metrics["loss/sft"] = metrics["loss/policy"]
     if is_rl and critic is not None:
-        metrics.update(critic.update(batch, chunks, mbs, old_values, returns, algo, num_tokens, num_seqs, norm_len))
+        metrics.update(critic.update(batch, chunks, mbs, fixed.old_values, fixed.returns, algo, num_tokens, num_seqs,
+                                     norm_len))
     return metrics

@@ -30,6 +30,7 @@ from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_bat
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+from rft.trainer.optimizer import WarmupSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.train_step import train_step
 from rft.weights.convert import load_hf_weights
@@ -129,12 +130,13 @@ class Learner:
         self.runtime.state.untrack(*STAGE_COMPONENTS)  # the previous stage's: not saved again
         self.stage, self.algo = stage, algo
         self.is_dpo = algo.policy_loss == "dpo"
-        self.optimizer = track("optimizer", torch.optim.AdamW(self.model.parameters(), lr=algo.lr,
-                                                              weight_decay=algo.weight_decay, betas=(0.9, 0.99)),
+        # AdamW on fp32 masters whatever model.dtype is (rft/trainer/optimizer.py)
+        self.optimizer = track("optimizer", build_optimizer(self.model, lr=algo.lr, weight_decay=algo.weight_decay,
+                                                            loss_scale=cfg.trainer.loss_scale,
+                                                            distributed=cfg.trainer.distributed_optimizer),
                                restore=stage.resumed)
-        warmup = max(algo.warmup_steps, 1)
-        self.scheduler = track("scheduler", torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warmup)), restore=stage.resumed)
+        self.scheduler = track("scheduler", WarmupSchedule(self.optimizer, algo.lr, algo.warmup_steps),
+                               restore=stage.resumed)
         self.ref_model = None
         if (needs_rollouts(stage.cfg) and algo.kl_coef > 0) or self.is_dpo:
             # frozen reference: the policy at stage start (Megatron modules hold process groups,
@@ -146,7 +148,8 @@ class Learner:
         # PPO's value model, its trunk a copy of the policy at stage start (rft/trainer/critic.py)
         self.critic = None
         if needs_critic(stage.cfg):
-            self.critic = track("critic", Critic.build(cfg.model.path, cfg.model.dtype, self.model, algo, cfg.seed),
+            self.critic = track("critic", Critic.build(cfg.model.path, cfg.model.dtype, self.model, algo, cfg.seed,
+                                                       cfg.trainer.loss_scale, cfg.trainer.distributed_optimizer),
                                 restore=stage.resumed)
         self.dataset, self.data_scalars = None, {}
         if not needs_rollouts(stage.cfg):
@@ -187,9 +190,11 @@ class Learner:
             metrics = dpo_step(self.model, self.optimizer, self.ref_model, batch, algo, trainer.micro_batch_size,
                                self.pad_id)
         else:
+            optimizer_steps: list[dict[str, float]] = []
             metrics = train_step(self.model, self.optimizer, batch, algo, trainer.micro_batch_size, self.pad_id,
                                  self.ref_model, algo.loss_agg_norm_len or stage.cfg.rollout.max_new_tokens,
-                                 self.critic)
+                                 self.critic, optimizer_steps)
+            self._log_optimizer_steps(optimizer_steps)
         if not drop:
             self.scheduler.step()
         trained = time.time()
@@ -204,6 +209,15 @@ class Learner:
                         "perf/train_tokens_per_s": metrics["train/tokens"] / max(trained - start, 1e-9),
                         "actor/lr": self.scheduler.get_last_lr()[0]})
         return scalars
+
+    def _log_optimizer_steps(self, steps: list[dict[str, float]]) -> None:
+        """With several optimizer steps per trainer step (algorithm.ppo_epochs, mini_batch_size),
+        each one's scalars go to TensorBoard on an optimizer-step axis (rft/monitor.py)."""
+        progress = self.runtime.progress
+        first = int(progress.totals.get("optimizer_steps", 0)) + 1
+        progress.add(optimizer_steps=len(steps))
+        if len(steps) > 1 and self.runtime.monitor is not None:
+            self.runtime.monitor.log_optimizer_steps(first, steps)
 
     def _staleness(self, table, scalars: dict[str, float]):
         """buffer.max_staleness: a shard whose weights are too many trainer steps old is dropped

@@ -25,6 +25,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.critic import Critic
     from rft.trainer.forward import pack_microbatch
     from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -42,7 +43,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     mbs = [pack_microbatch([PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 0, torch.device("cpu"))
            for idx in chunks]
     before = critic.values(batch, chunks, mbs)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=algo.lr)
+    optimizer = build_optimizer(policy, lr=algo.lr)
     metrics = train_step(policy, optimizer, batch, algo, micro, 0, None, norm_len=8, critic=critic)
     after = critic.values(batch, chunks, mbs)
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \

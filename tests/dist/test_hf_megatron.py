@@ -36,6 +36,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.forward import logprobs_from_logits, model_forward, pack_microbatch
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
+    from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -56,7 +57,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
             result["logits"] = torch.cat(shards, dim=-1)[..., :VOCAB]
             result["logprobs_plain"] = logprobs_from_logits(logits, mb, with_entropy=False)[0]
     result["export_before"] = _exported(model, geo)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = MasterWeightsOptimizer(model, lambda masters: torch.optim.SGD(masters, lr=0.5))
     batch = StepBatch(prompt_ids=[s[:4] for s in SEQUENCES], response_ids=[s[4:] for s in SEQUENCES])
     for _ in range(2):
         train_step(model, optimizer, batch, AlgorithmConfig(name="sft", grad_clip=0.0), 1, 0)

@@ -16,6 +16,7 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import forward_logprobs, pack_microbatch
     from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -36,7 +37,7 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
         output[0].register_hook(grads.append)
 
     model.output_layer.register_forward_hook(keep_logits_grad)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer = MasterWeightsOptimizer(model, lambda masters: torch.optim.SGD(masters, lr=0.1))
     train_step(model, optimizer, batch, AlgorithmConfig(), micro_batch_size=len(experiences), pad_id=0)
     torch.save({"logprobs": logprobs, "mask": mb.loss_mask, "grad": grads[0]}, out)
 

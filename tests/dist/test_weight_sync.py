@@ -41,6 +41,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -49,7 +50,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optimizer = build_optimizer(model, lr=1e-2)
     batch = StepBatch(prompt_ids=[s[:4] for s in SEQUENCES], response_ids=[s[4:] for s in SEQUENCES])
     for _ in range(3):  # a few real optimizer steps move the weights away from the checkpoint
         train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=1, pad_id=0)

@@ -63,6 +63,9 @@ def _small_tasksets(tmp_path) -> list[str]:
     ("sync.offset=-1", "sync.offset"),
     ("buffer.max_staleness=-2", "buffer.max_staleness"),
     ("buffer.stale=keep", "buffer.stale"),
+    ("algorithm.ppo_epochs=0", "algorithm.ppo_epochs"),
+    ("algorithm.mini_batch_size=-4", "algorithm.mini_batch_size"),
+    ("trainer.loss_scale=0", "trainer.loss_scale"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, key):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",

@@ -35,6 +35,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     from rft.trainer.critic import Critic
     from rft.trainer.forward import model_forward, pack_microbatch
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.train_step import _response_part, _response_tensors, train_step
@@ -94,7 +95,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         _response_part(batch, idx, lp, own)
     batch.old_logprobs = [own[i, : len(r)].tolist() for i, r in enumerate(RESPONSES)]
     res["ppo_values_before"] = critic.values(batch, chunks, mbs)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=algo.lr)
+    optimizer = build_optimizer(policy, lr=algo.lr)
     res["ppo_metrics"] = train_step(policy, optimizer, batch, algo, 2, 0, None, norm_len=8, critic=critic)
     res["ppo_values_after"] = critic.values(batch, chunks, mbs)
     torch.save(res, out)

@@ -1,0 +1,154 @@
+"""The optimizer contract of rft/trainer/optimizer.py in plain torch, for CPU (gloo) ranks.
+
+Megatron's DDP and optimizer assert CUDA tensors, so this is what runs on laptops and in CI; it
+does what they do on a GPU, step for step:
+  - fp32 gradient accumulation: a hook adds each bf16/fp16 gradient into the parameter's fp32
+    `main_grad` as soon as backward has produced it (Megatron's DDP keeps the same attribute), so
+    the sum over microbatches is taken in fp32;
+  - gradients summed over DP replicas, over TP for q/k norms (replicated weights of which each TP
+    rank sees only its own heads), and over the two copies of a tied embedding under PP;
+  - unscale, a global norm over TP shards and PP stages, a skipped step when it is not finite
+    (decided alike on every rank, since the norm is global), clipping;
+  - the optimizer's step on fp32 master copies, then copied into the parameters.
+fp32 parameters are their own masters: no copies, no hooks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rft.trainer.optimizer import LossScale, StepResult
+from rft.weights.hf_megatron import tp_split_dim
+
+
+def _accumulate_in_fp32(param: torch.Tensor) -> None:
+    param.main_grad.add_(param.grad)
+    param.grad = None
+
+
+class MasterWeightsOptimizer:
+    """A torch optimizer (AdamW in runs; tests also use SGD) on fp32 masters of `model`'s
+    trainable parameters (see the module docstring). `make` builds it over the masters."""
+
+    def __init__(self, model, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+                 scaler: LossScale | None = None):
+        self.model, self.scaler = model, scaler or LossScale(1.0, dynamic=False)
+        self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        self.masters: dict[str, torch.Tensor] = {}
+        self.copies: set[str] = set()  # parameters whose master is a copy (not fp32 themselves)
+        for name, p in self.params:
+            if p.dtype == torch.float32:
+                self.masters[name] = p
+                continue
+            # a new stage's optimizer starts its masters from the parameters (AdamW starts afresh too)
+            self.masters[name] = torch.nn.Parameter(p.detach().float().clone())
+            self.copies.add(name)
+            if not hasattr(p, "main_grad"):  # the model outlives stages: one hook per parameter
+                p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
+            p.main_grad = torch.zeros_like(self.masters[name])
+        self.torch_optimizer = make(list(self.masters.values()))
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.torch_optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        for _, p in self.params:
+            p.grad = None
+            if hasattr(p, "main_grad"):
+                p.main_grad.zero_()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.scaler.scale if self.scaler.scale != 1.0 else loss
+
+    def _grads(self) -> dict[str, torch.Tensor]:
+        """Each parameter's accumulated fp32 gradient (zeros where no loss reached it, so every
+        rank takes part in the same sums)."""
+        grads = {}
+        for name, p in self.params:
+            if not hasattr(p, "main_grad") and p.grad is None:  # no rows on this DP rank: it sums zeros
+                p.grad = torch.zeros_like(p)
+            grads[name] = p.main_grad if hasattr(p, "main_grad") else p.grad
+        return grads
+
+    @torch.no_grad()
+    def step(self, grad_clip: float) -> StepResult:
+        scale = self.scaler.scale
+        grads = self._grads()
+        sync_grads(self.model, grads)
+        if scale != 1.0:
+            for g in grads.values():
+                g.div_(scale)
+        norm = global_grad_norm(self.model, grads)
+        if not math.isfinite(norm):  # the same norm on every rank: all skip together
+            self.scaler.update(overflow=True)
+            return StepResult(False, norm, scale)
+        if grad_clip > 0 and norm > grad_clip:
+            for g in grads.values():
+                g.mul_(grad_clip / (norm + 1e-6))
+        for name, master in self.masters.items():
+            master.grad = grads.get(name)
+        self.torch_optimizer.step()
+        for name, p in self.params:
+            if name in self.copies:
+                p.copy_(self.masters[name])
+        self.scaler.update(overflow=False)
+        return StepResult(True, norm, scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.torch_optimizer.state_dict(),
+                "masters": {name: self.masters[name].detach().clone() for name in sorted(self.copies)},
+                "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, saved in state["masters"].items():
+                self.masters[name].copy_(saved)  # finer than the parameters the model file holds
+        self.torch_optimizer.load_state_dict(state["optimizer"])
+        self.scaler.scale, self.scaler.good_steps = state["loss_scale"], state["good_steps"]
+
+
+def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
+    """Sum gradients over DP replicas, over TP for q/k norms, and over the two copies of a tied
+    embedding under PP (in place)."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_tensor_model_parallel_world_size() > 1:
+        for name, g in grads.items():
+            if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+                dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
+    if ps.get_data_parallel_world_size() > 1:
+        for g in grads.values():
+            dist.all_reduce(g, group=ps.get_data_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1 and model.share_embeddings_and_output_weights \
+            and ps.is_rank_in_embedding_group():
+        tied = "embedding.word_embeddings.weight" if model.pre_process else "output_layer.weight"
+        dist.all_reduce(grads[tied], group=ps.get_embedding_group())
+
+
+def global_grad_norm(model, grads: dict[str, torch.Tensor]) -> float:
+    """L2 norm of the whole model's gradient over TP shards and PP stages (replicated parameters
+    and the last stage's mirror of a tied embedding counted once)."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    pp = ps.get_pipeline_model_parallel_world_size()
+    mirror = pp > 1 and model.share_embeddings_and_output_weights and not model.pre_process
+    total = torch.zeros(1)
+    for name, g in _counted(grads, mirror):
+        sq = g.float().pow(2).sum().cpu()
+        total += sq if (tp_split_dim(name) is not None or tp == 1) else sq / tp
+    if tp > 1:
+        dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+    if pp > 1:
+        dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
+    return float(total.sqrt())
+
+
+def _counted(grads: dict[str, torch.Tensor], mirror: bool) -> Iterable[tuple[str, torch.Tensor]]:
+    return ((n, g) for n, g in grads.items() if not (mirror and n == "output_layer.weight"))

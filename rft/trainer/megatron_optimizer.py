@@ -1,0 +1,97 @@
+"""The optimizer contract of rft/trainer/optimizer.py on CUDA: megatron-core's own machinery.
+
+GPU path: CI has no GPU, so this file runs only where CUDA is present (tests marked `gpu`,
+tools/bench_gpu_grpo.py); the CPU path (rft/trainer/master_weights.py) covers the same contract
+with gloo.
+
+  - `DistributedDataParallel` gives every parameter an fp32 `main_grad` in contiguous buffers
+    (`grad_reduce_in_fp32`) that its backward hooks accumulate into; `finalize_model_grads` sums
+    them over DP (reduce-scatter with the distributed optimizer), over TP for q/k norms, and over
+    the tied embedding's PP copies.
+  - `get_megatron_optimizer` keeps fp32 masters of bf16/fp16 parameters (sharded over DP with
+    `trainer.distributed_optimizer`), unscales, skips a step with inf/NaN gradients (found over
+    the model-parallel group), clips by the global norm and runs Adam(W) on the masters.
+
+The model is used unwrapped everywhere else (forward, weight sync, checkpoints): DDP's hooks sit
+on the parameters themselves, and without overlapped parameter gathering its forward only calls
+the module's. Losses are normalised by the whole batch's token count (train_step.py), so the DP
+reduction must sum, not average: build_gpt_model sets `calculate_per_token_loss`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from rft.trainer.optimizer import StepResult
+
+_WRAPPED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
+
+
+def _ddp(model, distributed: bool):
+    """One DDP wrapper per model: a later stage's optimizer reuses its grad buffers and hooks."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if model not in _WRAPPED:
+        config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                                               use_distributed_optimizer=distributed)
+        _WRAPPED[model] = DistributedDataParallel(model.config, config, model)
+    return _WRAPPED[model]
+
+
+class MegatronOptimizer:
+    """Megatron DDP + `get_megatron_optimizer` behind rft's optimizer contract."""
+
+    def __init__(self, model, lr: float, weight_decay: float, betas: tuple[float, float],
+                 loss_scale: float | None, distributed: bool):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.ddp = _ddp(model, distributed)
+        self.distributed = distributed
+        dtype = model.config.params_dtype
+        config = OptimizerConfig(
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1],
+            bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
+            # bf16 and fp32: a constant scale of 1, which still makes Megatron skip a non-finite step
+            loss_scale=loss_scale if loss_scale is not None else (None if dtype == torch.float16 else 1.0),
+            use_distributed_optimizer=distributed, clip_grad=0.0)
+        self.optimizer = get_megatron_optimizer(config, [self.ddp])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss)
+
+    def step(self, grad_clip: float) -> StepResult:
+        from megatron.core.distributed import finalize_model_grads
+
+        scale = float(self.optimizer.get_loss_scale())
+        finalize_model_grads([self.ddp])
+        for opt in self._parts():
+            opt.config.clip_grad = grad_clip  # the stage's algorithm.grad_clip
+        stepped, grad_norm, _ = self.optimizer.step()
+        return StepResult(bool(stepped), float("nan") if grad_norm is None else float(grad_norm), scale)
+
+    def _parts(self) -> list:
+        """The optimizers get_megatron_optimizer chained (one per parameter kind)."""
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"optimizer": self.optimizer.state_dict()}
+        if self.distributed:  # Adam's moments and the masters live in DP shards: gathered on DP rank 0
+            state["param_state"] = [opt.get_parameter_state_dp_zero() for opt in self._parts()]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.distributed:  # each rank passes its file's part; DP rank 0's holds the gathered state
+            for opt, part in zip(self._parts(), state["param_state"]):
+                opt.load_parameter_state_from_dp_zero(part)

@@ -1,0 +1,122 @@
+"""The trainer's optimizer: AdamW on fp32 master weights, whatever dtype the model computes in.
+
+One optimizer step, on every device:
+
+    zero the gradients
+    forward/backward every microbatch on loss * loss_scale   # gradients accumulate in fp32
+    sum gradients over DP replicas (and tied or replicated copies)
+    unscale; if any gradient is inf/NaN on any rank: skip the step, lower the scale (fp16)
+    clip by the global norm; AdamW on the fp32 masters; copy them into the bf16/fp16 parameters
+
+With `model.dtype=bfloat16` an update of lr 1e-6 is far below a bf16 weight's resolution (about
+1/256 of its size) and rounds away if AdamW updates the parameters themselves; the fp32 masters
+keep it. fp16 also needs the loss scale, or small gradients underflow.
+
+Two implementations of one contract (`TrainerOptimizer`): on CUDA megatron-core's own DDP and
+`get_megatron_optimizer` (distributed optimizer optional, rft/trainer/megatron_optimizer.py); on
+CPU, where those assert CUDA tensors, the same steps in plain torch (rft/trainer/master_weights.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+FP16_INITIAL_SCALE = 2.0 ** 16  # torch's GradScaler default (Megatron's 2**32 wastes ~16 halvings)
+FP16_GROWTH_INTERVAL = 1000  # steps without an overflow before the scale doubles (Megatron, torch)
+
+
+@dataclass
+class StepResult:
+    stepped: bool  # False: a gradient was not finite and the step was skipped
+    grad_norm: float  # global norm before clipping (unscaled; inf/NaN when skipped)
+    loss_scale: float  # the scale the step's loss was multiplied by
+
+
+class TrainerOptimizer(Protocol):
+    """What the training steps (rft/trainer/train_step.py) need of an optimizer."""
+
+    param_groups: list[dict[str, Any]]  # AdamW's groups: the schedule sets their "lr"
+
+    def zero_grad(self) -> None: ...
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
+
+    def step(self, grad_clip: float) -> StepResult: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def build_optimizer(model, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99),
+                    loss_scale: float | None = None, distributed: bool = False) -> TrainerOptimizer:
+    """AdamW over `model`'s parameters with fp32 masters. `loss_scale`: a constant scale, or None
+    for dynamic scaling with fp16 parameters (1 otherwise). `distributed`: shard the masters and
+    AdamW's state over DP ranks (Megatron's distributed optimizer; CUDA only, ignored on CPU)."""
+    dtype = next(model.parameters()).dtype
+    if torch.cuda.is_available():
+        from rft.trainer.megatron_optimizer import MegatronOptimizer
+
+        return MegatronOptimizer(model, lr, weight_decay, betas, loss_scale, distributed)
+    from rft.trainer.master_weights import MasterWeightsOptimizer
+
+    if loss_scale is not None:
+        scaler = LossScale(loss_scale, dynamic=False)
+    else:
+        scaler = LossScale(FP16_INITIAL_SCALE if dtype == torch.float16 else 1.0, dynamic=dtype == torch.float16)
+    return MasterWeightsOptimizer(model, lambda masters: torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay,
+                                                                           betas=betas), scaler)
+
+
+@dataclass
+class LossScale:
+    """The loss scale of fp16 training: halved after a step with an overflow, doubled after
+    `growth_interval` steps without one. Written here because Megatron's DynamicGradScaler
+    allocates on CUDA and torch's GradScaler decides per rank, while a skip must be decided over
+    every TP/PP shard at once (master_weights.py decides it from the global grad norm)."""
+
+    scale: float
+    dynamic: bool
+    growth_interval: int = FP16_GROWTH_INTERVAL
+    good_steps: int = 0
+
+    def update(self, overflow: bool) -> None:
+        if not self.dynamic:
+            return
+        if overflow:
+            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
+            return
+        self.good_steps += 1
+        if self.good_steps == self.growth_interval:
+            self.scale, self.good_steps = self.scale * 2, 0
+
+
+class WarmupSchedule:
+    """Linear learning-rate warm-up to `lr` over `warmup_steps` optimizer steps, then constant;
+    works on either optimizer (torch's LR schedulers accept only torch optimizers)."""
+
+    def __init__(self, optimizer: TrainerOptimizer, lr: float, warmup_steps: int):
+        self.optimizer, self.lr, self.warmup = optimizer, lr, max(warmup_steps, 1)
+        self.steps = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_last_lr()[0]
+
+    def get_last_lr(self) -> list[float]:
+        return [self.lr * min(1.0, (self.steps + 1) / self.warmup)]
+
+    def step(self) -> None:
+        self.steps += 1
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self._apply()

@@ -166,7 +166,8 @@ class ServeConfig:
 @dataclass
 class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps in this stage
-    micro_batch_size: int = 8  # sequences per forward/backward
+    micro_batch_size: int = 8  # sequences per forward/backward (padded), unless the token budget below is set
+    max_tokens_per_microbatch: int = 0  # >0: rows packed (no padding) up to this many tokens per forward/backward
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
@@ -662,6 +663,9 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
         if trainer.micro_batch_size < 1:
             config_error(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
+        if trainer.max_tokens_per_microbatch < 0:
+            config_error(f"{prefix}trainer.max_tokens_per_microbatch", trainer.max_tokens_per_microbatch,
+                         "use 0 (microbatches of trainer.micro_batch_size padded rows) or a token budget, e.g. 4096")
         if trainer.loss_scale is not None and trainer.loss_scale <= 0:
             config_error(f"{prefix}trainer.loss_scale", trainer.loss_scale,
                          "use a positive scale, or null for dynamic scaling with fp16 (1 with bf16/fp32)")

@@ -130,9 +130,11 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         table.add_row("schedule", schedule_line(cfg))
     context, stages = context_length(cfg.model), stage_configs(cfg)
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))
-    rows = max(max(s.trainer.micro_batch_size for _, s in stages), 1)
+    # a packed microbatch holds its budget, or one row up to the context if a row is longer
+    tokens = max(max(s.trainer.max_tokens_per_microbatch, context) if s.trainer.max_tokens_per_microbatch
+                 else max(s.trainer.micro_batch_size, 1) * context for _, s in stages)
     table.add_row("sequences", f"<= {context} tokens (prompt + response; longer rows: data.overlong="
-                               f"{cfg.data.overlong}); a trainer microbatch <= {rows} x {context} tokens")
+                               f"{cfg.data.overlong}); a trainer microbatch <= {tokens} tokens")
     if cfg.mode != "explore":
         save = [f"every {cfg.trainer.save_every_min:g} min"] if cfg.trainer.save_every_min else []
         save += [f"every {cfg.trainer.save_interval} steps"] if cfg.trainer.save_interval else []

@@ -60,8 +60,9 @@ class ValueHead(torch.nn.Module):
 
 
 def values_of(output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
-    """[b, s-1] float values on the loss mask's positions from the critic's output [b, s, 1]."""
-    return output[:, :-1, 0].float()
+    """[sequences, longest - 1] float values on the loss mask's positions from the critic's
+    output [b, s, 1] (padded layout, packed or not)."""
+    return mb.rows(output[:, :-1, 0].float())
 
 
 def build_critic_model(hf_path: str, dtype: str, policy, seed: int):

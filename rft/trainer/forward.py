@@ -1,4 +1,4 @@
-"""Forward passes for training: padded microbatches in, per-token logprobs and entropy out.
+"""Forward passes for training: padded or packed microbatches in, per-token logprobs and entropy out.
 
 Logits stay vocab-parallel (each TP rank holds V/TP columns); logprob and entropy are reduced
 across the TP group with Megatron's reduce-from-TP-region (all-reduce forward, identity backward:
@@ -16,32 +16,75 @@ import torch.distributed as dist
 
 @dataclass
 class Microbatch:
-    """Right-padded sequences. `loss_mask[i, t]` is 1 where token t+1 of row i is a response token
-    to train (a token the policy sampled)."""
+    """Sequences for one forward/backward, padded or packed.
 
-    input_ids: torch.Tensor  # [b, s] int64
-    loss_mask: torch.Tensor  # [b, s-1] float: scores targets input_ids[:, 1:]
-    position_ids: torch.Tensor  # [b, s]
+    Padded: one row per sequence, right-padded. Packed (`row_index` set): all sequences in one row
+    back to back, a block-diagonal causal `attention_mask` keeping each to itself. Rotary position
+    embeddings only see relative positions inside a sequence, so packed and padded give the same
+    logits. What the loss side sees is the padded layout either way: `rows()` maps per-target
+    values of the packed row to one row per sequence, and `loss_mask` is in that layout.
+    `loss_mask[i, t]` is 1 where token t+1 of sequence i is a response token to train.
+    """
+
+    input_ids: torch.Tensor  # [b, s] int64 (packed: [1, total tokens])
+    loss_mask: torch.Tensor  # [sequences, longest - 1] float: scores targets input_ids[:, 1:] (per sequence)
+    position_ids: torch.Tensor  # like input_ids; restart at 0 for each packed sequence
+    attention_mask: torch.Tensor | None = None  # [1, 1, s, s] True = not allowed (packed); None: causal
+    row_index: torch.Tensor | None = None  # packed: [sequences, longest - 1] target positions in the row, -1 = none
+
+    def rows(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-target values [b, s-1] of the model's layout in the padded layout (0 on padding)."""
+        if self.row_index is None:
+            return values
+        valid = self.row_index >= 0
+        return torch.where(valid, values[0][self.row_index.clamp(min=0)], torch.zeros((), dtype=values.dtype,
+                                                                                       device=values.device))
 
 
-def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
-                    device: torch.device, response_masks: list[list[int]] | None = None) -> Microbatch:
-    """Concatenate prompt+response per row, right-pad, and mark the response targets to train in
-    the mask: every response token, or those whose `response_masks` entry is 1 (a multi-turn
-    trajectory's response holds tool output and environment messages the policy did not sample)."""
-    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = max(lengths)
-    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+def _loss_mask(prompts: list[list[int]], responses: list[list[int]], width: int,
+               response_masks: list[list[int]] | None) -> torch.Tensor:
+    """[sequences, width - 1]: 1 at the targets of the response tokens to train (every response
+    token, or those whose `response_masks` entry is 1: a multi-turn trajectory's response holds
+    tool output and environment messages the policy did not sample)."""
     mask = torch.zeros((len(prompts), width - 1), dtype=torch.float32)
     for row, (p, r) in enumerate(zip(prompts, responses)):
-        ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
         # target index t predicts token t+1; response tokens sit at [len(p), len(p)+len(r))
         if response_masks is None:
             mask[row, len(p) - 1: len(p) + len(r) - 1] = 1.0
         else:
             mask[row, len(p) - 1: len(p) + len(r) - 1] = torch.tensor(response_masks[row], dtype=torch.float32)
+    return mask
+
+
+def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
+                    device: torch.device, response_masks: list[list[int]] | None = None,
+                    packed: bool = False) -> Microbatch:
+    """Prompt + response per sequence, right-padded (or, `packed`, back to back in one row)."""
+    lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
+    width = max(lengths)
+    mask = _loss_mask(prompts, responses, width, response_masks).to(device)
+    if packed:
+        return _packed(prompts, responses, lengths, mask, device)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
+    for row, (p, r) in enumerate(zip(prompts, responses)):
+        ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
     positions = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(len(prompts), -1)
-    return Microbatch(ids.to(device), mask.to(device), positions.contiguous().to(device))
+    return Microbatch(ids.to(device), mask, positions.contiguous().to(device))
+
+
+def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[int], mask: torch.Tensor,
+            device: torch.device) -> Microbatch:
+    ids = torch.tensor([t for p, r in zip(prompts, responses) for t in p + r], dtype=torch.int64)
+    total, width = len(ids), max(lengths)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+    sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    positions = torch.arange(total) - starts[sequence]
+    allowed = (sequence[:, None] == sequence[None, :]) & (positions[:, None] >= positions[None, :])
+    # sequence i's target t (predicting its token t+1) sits at starts[i] + t of the packed row
+    t = torch.arange(width - 1)
+    row_index = torch.where(t[None, :] < torch.tensor(lengths)[:, None] - 1, starts[:, None] + t[None, :], -1)
+    return Microbatch(ids[None].to(device), mask, positions[None].to(device), (~allowed)[None, None].to(device),
+                      row_index.to(device))
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
@@ -94,8 +137,8 @@ def model_forward(model, mb: Microbatch) -> torch.Tensor:
     from megatron.core import parallel_state
 
     width = mb.input_ids.shape[1]
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids,
-                attention_mask=causal_mask(width, mb.input_ids.device))
+    mask = mb.attention_mask if mb.attention_mask is not None else causal_mask(width, mb.input_ids.device)
+    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask)
     real_vocab = getattr(model, "real_vocab_size", None)
     if not model.post_process or real_vocab is None:
         return out
@@ -109,14 +152,16 @@ def model_forward(model, mb: Microbatch) -> torch.Tensor:
 
 def logprobs_from_logits(logits: torch.Tensor, mb: Microbatch, with_entropy: bool = True
                          ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-target logprobs [b, s-1] (and entropy) of `mb` from this rank's vocab-parallel logits."""
+    """Per-target logprobs [sequences, longest - 1] (and entropy) of `mb`, in the padded layout,
+    from this rank's vocab-parallel logits."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
-                                   with_entropy)
+    logprobs, entropy = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
+                                                with_entropy)
+    return mb.rows(logprobs), None if entropy is None else mb.rows(entropy)
 
 
 def forward_logprobs(model, mb: Microbatch, with_entropy: bool = True

@@ -31,6 +31,7 @@ from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
+from rft.trainer.microbatches import microbatches, mini_batches
 from rft.trainer.optimizer import StepResult, TrainerOptimizer
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
 
@@ -185,16 +186,10 @@ def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) ->
     return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
 
 
-def mini_batches(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> list[list[int]]:
-    """This DP rank's rows of each optimizer step: the batch's rows in order, `mini_batch_size` per
-    step (0: all), each step's rows dealt over the DP ranks."""
-    size = mini_batch_size or num_rows
-    return [list(range(s, min(s + size, num_rows)))[dp_rank::dp_size] for s in range(0, num_rows, size)]
-
-
 def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
                pad_id: int, ref_model=None, norm_len: int = 1, critic=None,
-               per_optimizer_step: list[dict[str, float]] | None = None) -> dict[str, float]:
+               per_optimizer_step: list[dict[str, float]] | None = None,
+               max_tokens_per_microbatch: int = 0) -> dict[str, float]:
     """`algorithm.ppo_epochs` passes over the batch, each in mini-batches of
     `algorithm.mini_batch_size` rows, one optimizer step per mini-batch (one step for the whole
     batch by default). Everything the updates are measured against is computed once, before the
@@ -204,19 +199,23 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     each optimizer step's own. `norm_len` is the constant of the seq-mean-token-sum-norm
     aggregation (max response length). `critic` (rft.trainer.critic.Critic, RL batches only): its
     values before the update feed the advantage estimator, its returns are the critic's targets,
-    and it steps after each of the policy's steps."""
+    and it steps after each of the policy's steps. Microbatches: `micro_batch_size` rows padded, or
+    with `max_tokens_per_microbatch` rows packed up to that many tokens (rft/trainer/microbatches.py)."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp_group = _dp()
     device = next(model.parameters()).device
     is_rl = batch.rewards is not None
 
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    packed = max_tokens_per_microbatch > 0
+
     def micro(rows: list[int]) -> list[list[int]]:
-        return [rows[s: s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
+        return microbatches(rows, lengths, micro_batch_size, max_tokens_per_microbatch)
 
     def pack(idx_chunks):
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                                pad_id, device, [batch.mask_of(i) for i in idx]) for idx in idx_chunks]
+                                pad_id, device, [batch.mask_of(i) for i in idx], packed) for idx in idx_chunks]
 
     steps = [micro(rows) for rows in mini_batches(len(batch.prompt_ids), algo.mini_batch_size, dp_rank, dp_size)]
     step_mbs = [pack(chunks) for chunks in steps]

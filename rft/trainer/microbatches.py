@@ -1,0 +1,39 @@
+"""How a trainer step's rows become optimizer steps and microbatches.
+
+    mini-batches: algorithm.mini_batch_size rows per optimizer step, dealt over DP ranks
+    microbatches: trainer.micro_batch_size rows, right-padded                (max_tokens_per_microbatch=0)
+               or rows packed up to trainer.max_tokens_per_microbatch tokens (dynamic batch size)
+
+With a token budget a microbatch holds as many rows as fit, back to back in one packed sequence
+(rft/trainer/forward.py), so no compute goes to padding and a microbatch's memory is bounded by
+the budget, not by a row count times the longest row. Rows are placed longest first into the
+first microbatch with room (first-fit decreasing: few, full microbatches); a row longer than the
+budget gets a microbatch of its own.
+"""
+
+from __future__ import annotations
+
+
+def mini_batches(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> list[list[int]]:
+    """This DP rank's rows of each optimizer step: the batch's rows in order, `mini_batch_size` per
+    step (0: all), each step's rows dealt over the DP ranks."""
+    size = mini_batch_size or num_rows
+    return [list(range(s, min(s + size, num_rows)))[dp_rank::dp_size] for s in range(0, num_rows, size)]
+
+
+def microbatches(rows: list[int], lengths: list[int], micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+    """`rows` (indices into `lengths`, each row's prompt + response tokens) in microbatches:
+    `micro_batch_size` at a time, or packed up to `max_tokens` tokens each when that is set."""
+    if max_tokens <= 0:
+        return [rows[s: s + micro_batch_size] for s in range(0, len(rows), micro_batch_size)]
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for row in sorted(rows, key=lambda r: -lengths[r]):
+        fits = next((b for b, left in enumerate(room) if lengths[row] <= left), None)
+        if fits is None:
+            bins.append([row])
+            room.append(max_tokens - lengths[row])
+        else:
+            bins[fits].append(row)
+            room[fits] -= lengths[row]
+    return bins

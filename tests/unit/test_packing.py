@@ -1,0 +1,127 @@
+"""Sequence packing (trainer.max_tokens_per_microbatch) on the tiny model with real megatron-core on
+one CPU gloo rank (spawned): packed microbatches (rows back to back, block-diagonal causal mask)
+give the padded path's logprobs, entropy, losses and gradients to 1e-5; and the token-budget
+microbatches hold every row once within the budget."""
+
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from rft.cluster import free_port
+from rft.config import TinyModelConfig
+from rft.models.tiny import create_tiny_model
+from rft.trainer.microbatches import microbatches, mini_batches
+
+PROMPTS = [[1, 5, 6, 14, 7], [1, 12, 13], [1, 20, 21, 17, 30, 31, 3, 3], [1, 9], [1, 4, 4], [1, 15, 16, 17]]
+RESPONSES = [[8, 9, 2], [2], [10, 11, 12, 13, 2, 7, 7], [4, 5], [6, 6, 6, 6, 2], [3, 2]]
+MASKS = [[1, 1, 1], [1], [1, 1, 0, 0, 1, 1, 1], [1, 1], [1, 1, 1, 1, 1], [1, 1]]  # row 2: an observation
+REWARDS = [1.0, 0.0, 1.0, 0.0, 0.5, 1.0]
+GROUPS = [0, 0, 1, 1, 2, 2]
+BUDGET = 16  # tokens per packed microbatch
+
+
+class CapturingOptimizer:
+    """The optimizer contract, recording the gradients it would step on (fp32 model: p.grad)."""
+
+    def __init__(self, model):
+        self.model, self.param_groups, self.grads = model, [{"lr": 0.0}], None
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self, grad_clip: float):
+        from rft.trainer.optimizer import StepResult
+
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+        return StepResult(True, 0.0, 1.0)
+
+
+def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from rft.config import AlgorithmConfig
+    from rft.trainer.forward import forward_logprobs, pack_microbatch
+    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.train_step import StepBatch, train_step
+    from rft.weights.convert import load_hf_weights
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_model_parallel(1, seed=0)
+    model, geo = build_gpt_model(model_dir)
+    load_hf_weights(model, load_hf_state(model_dir), geo)
+    res = {}
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for packed in (False, True):
+            mb = pack_microbatch(PROMPTS, RESPONSES, 0, cpu, MASKS, packed=packed)
+            res[f"forward_{packed}"] = (*forward_logprobs(model, mb), mb.loss_mask, tuple(mb.input_ids.shape))
+    gen = torch.Generator().manual_seed(0)
+    batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=REWARDS,
+                      old_logprobs=[(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES],
+                      group_ids=GROUPS)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg=agg, entropy_coef=0.01)
+        for budget in (0, BUDGET):
+            optimizer = CapturingOptimizer(model)
+            metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget)
+            res[f"step_{agg}_{budget}"] = (metrics, optimizer.grads)
+    torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("packing")
+    model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
+    out = str(tmp / "out.pt")
+    mp.start_processes(_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
+    return torch.load(out)
+
+
+def test_packed_forward_equals_padded(run):
+    pad_lp, pad_ent, pad_mask, pad_shape = run["forward_False"]
+    pack_lp, pack_ent, pack_mask, pack_shape = run["forward_True"]
+    total = sum(len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES))
+    assert pack_shape == (1, total) and pad_shape == (6, 15)  # one row, no padding
+    assert torch.equal(pad_mask, pack_mask)
+    valid = torch.zeros_like(pad_mask, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        valid[i, : len(p) + len(r) - 1] = True  # every real target, prompt included
+    torch.testing.assert_close(pack_lp[valid], pad_lp[valid], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(pack_ent[valid], pad_ent[valid], atol=1e-5, rtol=1e-5)
+    assert (pack_lp[~valid] == 0).all()
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_packed_step_gives_the_padded_losses_and_gradients(run, agg):
+    (padded, pad_grads), (packed, pack_grads) = run[f"step_{agg}_0"], run[f"step_{agg}_{BUDGET}"]
+    for key in ("loss/policy", "actor/entropy", "actor/clipfrac", "train/tokens"):
+        assert packed[key] == pytest.approx(padded[key], abs=1e-5), key
+    assert pad_grads.keys() == pack_grads.keys()
+    for name, grad in pad_grads.items():
+        torch.testing.assert_close(pack_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    assert any(g.abs().sum() > 0 for g in pad_grads.values())
+
+
+def test_token_budget_microbatches_hold_every_row_once_within_the_budget():
+    lengths = [len(p) + len(r) for p, r in zip(PROMPTS, RESPONSES)]  # 8, 4, 15, 4, 8, 6
+    rows = list(range(len(lengths)))
+    bins = microbatches(rows, lengths, 2, BUDGET)
+    assert sorted(r for b in bins for r in b) == rows
+    assert all(sum(lengths[r] for r in b) <= BUDGET for b in bins)
+    assert len(bins) == 3  # 45 tokens in 16-token bins: first-fit decreasing leaves no fourth
+    assert microbatches(rows, lengths, 2, 10)[0] == [2]  # longer than the budget: alone
+    assert microbatches(rows, lengths, 4, 0) == [[0, 1, 2, 3], [4, 5]]  # no budget: row counts
+
+
+def test_mini_batches_deal_each_optimizer_steps_rows_over_dp():
+    assert mini_batches(6, 4, 0, 2) == [[0, 2], [4]]
+    assert mini_batches(6, 4, 1, 2) == [[1, 3], [5]]
+    assert mini_batches(6, 0, 0, 1) == [list(range(6))]

@@ -163,6 +163,19 @@ class ServeConfig:
     duration_min: Optional[float] = None  # stop after this long (None: until cancelled or the job's time limit)
 
 
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's parallel linears (lora.py)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on Megatron's parallel linear layers (rft/trainer/lora.py); per stage."""
+
+    rank: int = 0  # adapter rank (0: off, every weight trains)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps in this stage
@@ -178,6 +191,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
     loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end
 
 
 @dataclass
@@ -666,6 +680,15 @@ def validate(cfg: RFTConfig) -> None:
         if trainer.max_tokens_per_microbatch < 0:
             config_error(f"{prefix}trainer.max_tokens_per_microbatch", trainer.max_tokens_per_microbatch,
                          "use 0 (microbatches of trainer.micro_batch_size padded rows) or a token budget, e.g. 4096")
+        if trainer.lora.rank < 0:
+            config_error(f"{prefix}trainer.lora.rank", trainer.lora.rank, "use 0 (no adapters) or a rank, e.g. 16")
+        if trainer.lora.rank:
+            unknown = sorted(set(trainer.lora.target_modules) - set(LORA_TARGETS))
+            if unknown or not trainer.lora.target_modules:
+                config_error(f"{prefix}trainer.lora.target_modules", trainer.lora.target_modules,
+                             f"use some of {list(LORA_TARGETS)}")
+            if not 0 <= trainer.lora.dropout < 1:
+                config_error(f"{prefix}trainer.lora.dropout", trainer.lora.dropout, "use a value in [0, 1)")
         if trainer.loss_scale is not None and trainer.loss_scale <= 0:
             config_error(f"{prefix}trainer.loss_scale", trainer.loss_scale,
                          "use a positive scale, or null for dynamic scaling with fp16 (1 with bf16/fp32)")

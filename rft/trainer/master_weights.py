@@ -125,8 +125,7 @@ def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
     if ps.get_data_parallel_world_size() > 1:
         for g in grads.values():
             dist.all_reduce(g, group=ps.get_data_parallel_group())
-    if ps.get_pipeline_model_parallel_world_size() > 1 and model.share_embeddings_and_output_weights \
-            and ps.is_rank_in_embedding_group():
+    if ps.get_pipeline_model_parallel_world_size() > 1 and _tied(model) and ps.is_rank_in_embedding_group():
         tied = "embedding.word_embeddings.weight" if model.pre_process else "output_layer.weight"
         dist.all_reduce(grads[tied], group=ps.get_embedding_group())
 
@@ -138,16 +137,22 @@ def global_grad_norm(model, grads: dict[str, torch.Tensor]) -> float:
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
-    mirror = pp > 1 and model.share_embeddings_and_output_weights and not model.pre_process
+    mirror = pp > 1 and _tied(model) and not model.pre_process
+    split_dim = getattr(model, "tp_split_dim", tp_split_dim)  # LoRA adapters say how theirs are split
     total = torch.zeros(1)
     for name, g in _counted(grads, mirror):
         sq = g.float().pow(2).sum().cpu()
-        total += sq if (tp_split_dim(name) is not None or tp == 1) else sq / tp
+        total += sq if (split_dim(name) is not None or tp == 1) else sq / tp
     if tp > 1:
         dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
     if pp > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return float(total.sqrt())
+
+
+def _tied(model) -> bool:
+    """A GPTModel sharing its embedding with the output layer (LoRA adapters share nothing)."""
+    return getattr(model, "share_embeddings_and_output_weights", False)
 
 
 def _counted(grads: dict[str, torch.Tensor], mirror: bool) -> Iterable[tuple[str, torch.Tensor]]:

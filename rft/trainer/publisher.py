@@ -33,6 +33,7 @@ class WeightPublisher:
         self.cfg, self.info, self.on_gpu = cfg, info, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
         self.engines = None  # all of them
+        self.adapters = None  # a LoRA stage's adapters (rft/trainer/lora.py): sent merged into the weights
         if info.rank == layout.sender_ranks[stage]:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
@@ -47,7 +48,7 @@ class WeightPublisher:
         if self.sender is not None and engines != self.engines:
             self.sender.reopen(sync_layout(self.cfg, self.info, self.on_gpu, engines))
             self.engines = engines
-        tensors = export_hf_weights(model, self.geo)
+        tensors = export_hf_weights(model, self.geo, self._deltas())
         if self.sender is None:
             for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
                 pass
@@ -59,7 +60,7 @@ class WeightPublisher:
         writer; every export kept): what mode=bench evaluates."""
         if not self.exports:
             return
-        tensors = export_hf_weights(model, self.geo)
+        tensors = export_hf_weights(model, self.geo, self._deltas())
         if self.sender is None:
             for _ in tensors:  # TP all-gathers: every TP rank iterates
                 pass
@@ -67,6 +68,9 @@ class WeightPublisher:
         writer = CheckpointSender(replace(self.layout, checkpoint_dir=root), self.stage, self.model_path,
                                   keep_versions=None)
         writer.send(hf_table(model, self.geo, self.wire), tensors, step)
+
+    def _deltas(self) -> dict[str, torch.Tensor] | None:
+        return self.adapters.delta_weights() if self.adapters is not None else None
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version}

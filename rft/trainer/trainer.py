@@ -29,13 +29,14 @@ from rft.runtime.membership import lost_ranks
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
+from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import WarmupSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.train_step import train_step
 from rft.weights.convert import load_hf_weights
 
-STAGE_COMPONENTS = ("optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
+STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
 
 
@@ -50,11 +51,12 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     runtime.state.track("model", model)
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, info, geo))
     add_checkpoint_hooks(cfg, info, runtime, model, publisher)
-    learner = Learner(cfg, info, model, runtime)
+    learner = Learner(cfg, info, model, geo, runtime)
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
     for stage in runtime.stages():
         learner.begin(stage)
+        publisher.adapters = learner.lora  # a LoRA stage sends W + B A
         step_start = time.time()
         for step in stage.steps():
             scalars = step.pending if step.resumed else learner.train(stage)
@@ -71,6 +73,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
                 write_json_atomic(progress_path(cfg.run.output_dir), {
                     "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
                     "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
+        learner.end()  # a LoRA stage's adapters are merged into the weights now
+        publisher.adapters = None
     lost = lost_ranks(group.store, engine_leaders(cfg, info)) if info.rank == 0 and losable_members(cfg, info) else {}
     return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {})})
 
@@ -110,10 +114,11 @@ class RNG:
 class Learner:
     """What one trainer step does in each stage: its rows, its optimizer step, its statistics."""
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, model, runtime: Runtime):
+    def __init__(self, cfg: RFTConfig, info: RankInfo, model, geo, runtime: Runtime):
         from transformers import AutoTokenizer
 
-        self.cfg, self.info, self.model, self.runtime = cfg, info, model, runtime
+        self.cfg, self.info, self.model, self.geo, self.runtime = cfg, info, model, geo, runtime
+        self.lora: LoRA | None = None
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -130,21 +135,28 @@ class Learner:
         self.runtime.state.untrack(*STAGE_COMPONENTS)  # the previous stage's: not saved again
         self.stage, self.algo = stage, algo
         self.is_dpo = algo.policy_loss == "dpo"
+        # the reference is the policy at stage start: built before adapters change what it computes
+        self.ref_model = None
+        if (needs_rollouts(stage.cfg) and algo.kl_coef > 0) or self.is_dpo:
+            # Megatron modules hold process groups, so build a twin and copy the weights rather than deepcopy
+            self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
+            self.ref_model.load_state_dict(self.model.state_dict())
+            self.ref_model.eval().requires_grad_(False)
+            track("ref_model", self.ref_model, restore=stage.resumed)
+        lora = stage.cfg.trainer.lora
+        self.lora = None
+        if lora.rank:  # only the adapters train (rft/trainer/lora.py)
+            self.lora = track("lora", LoRA(self.model, self.geo, lora.rank, lora.alpha, lora.dropout,
+                                           lora.target_modules, cfg.seed + stage.index).attach(),
+                              restore=stage.resumed)
         # AdamW on fp32 masters whatever model.dtype is (rft/trainer/optimizer.py)
-        self.optimizer = track("optimizer", build_optimizer(self.model, lr=algo.lr, weight_decay=algo.weight_decay,
+        trained = self.lora if self.lora is not None else self.model
+        self.optimizer = track("optimizer", build_optimizer(trained, lr=algo.lr, weight_decay=algo.weight_decay,
                                                             loss_scale=cfg.trainer.loss_scale,
                                                             distributed=cfg.trainer.distributed_optimizer),
                                restore=stage.resumed)
         self.scheduler = track("scheduler", WarmupSchedule(self.optimizer, algo.lr, algo.warmup_steps),
                                restore=stage.resumed)
-        self.ref_model = None
-        if (needs_rollouts(stage.cfg) and algo.kl_coef > 0) or self.is_dpo:
-            # frozen reference: the policy at stage start (Megatron modules hold process groups,
-            # so build a twin and copy the weights rather than deepcopy)
-            self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
-            self.ref_model.load_state_dict(self.model.state_dict())
-            self.ref_model.eval().requires_grad_(False)
-            track("ref_model", self.ref_model, restore=stage.resumed)
         # PPO's value model, its trunk a copy of the policy at stage start (rft/trainer/critic.py)
         self.critic = None
         if needs_critic(stage.cfg):
@@ -155,6 +167,12 @@ class Learner:
         if not needs_rollouts(stage.cfg):
             self.dataset = self._dataset(stage)
         track("rng", RNG(), restore=stage.resumed)  # last: the stage's set-up above draws no numbers after it
+
+    def end(self) -> None:
+        """A LoRA stage's adapters are folded into the weights: the next stage starts from them."""
+        if self.lora is not None:
+            self.lora.merge()
+            self.lora = None
 
     def _dataset(self, stage: Stage) -> DatasetBatches:
         data, rows = stage.cfg.data, self.runtime.progress.rows

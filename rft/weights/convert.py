@@ -95,12 +95,16 @@ def hf_table(model, geo: Geometry, wire_dtype: torch.dtype) -> TensorTable:
     return table
 
 
-def export_hf_weights(model, geo: Geometry) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield this stage's HF-named full tensors in `hf_table` order, gathering TP shards."""
+def export_hf_weights(model, geo: Geometry, deltas: dict[str, torch.Tensor] | None = None
+                      ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield this stage's HF-named full tensors in `hf_table` order, gathering TP shards.
+    `deltas` (by local parameter name, shaped like the shard): added first, in fp32 (LoRA's B A:
+    a merged sync sends W + B A without touching W)."""
     tp, _, group = _tp()
+    deltas = deltas or {}
     for name, gname, param in _exported_params(model, geo):
         dim = tp_split_dim(name)
-        full = param.detach()
+        full = param.detach() if name not in deltas else param.detach().float() + deltas[name]
         if dim is not None and tp > 1:
             shards = [torch.empty_like(full) for _ in range(tp)]
             dist.all_gather(shards, full.contiguous(), group=group)

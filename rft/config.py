@@ -213,6 +213,7 @@ class SyncConfig:
     wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype
     checkpoint_dir: Optional[str] = None  # checkpoint engine: where versions go (default: <run>/weights)
     timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
+    lora: str = "merged"  # LoRA stages: merged (W + B A, every weight) | adapter (A and B only, vLLM's LoRA)
 
 
 @dataclass
@@ -319,6 +320,21 @@ def field_doc(key: str) -> Optional[str]:
 def register_configs() -> None:
     """Register the schema so `conf/config.yaml` can use it as its base (`- rft_schema`)."""
     ConfigStore.instance().store(name="rft_schema", node=RFTConfig)
+
+
+def adapter_sync(stage: RFTConfig) -> bool:
+    """A LoRA stage whose syncs send the adapters to vLLM's LoRA support (sync.lora=adapter)."""
+    return stage.trainer.lora.rank > 0 and stage.sync.lora == "adapter"
+
+
+def vllm_lora_rank(cfg: RFTConfig) -> int:
+    """The max_lora_rank vLLM's engines start with: the largest adapter-synced stage's rank rounded
+    up to a rank vLLM supports (0: LoRA off in vLLM)."""
+    ranks = [s.trainer.lora.rank for _, s in stage_configs(cfg) if adapter_sync(s)]
+    return next((r for r in VLLM_LORA_RANKS if r >= max(ranks)), 0) if ranks else 0
+
+
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's accepted max_lora_rank values
 
 
 def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
@@ -736,10 +752,27 @@ def validate(cfg: RFTConfig) -> None:
         config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
     if cfg.sync.bucket_mb < 1:
         config_error("sync.bucket_mb", cfg.sync.bucket_mb, "use 1 or more MiB")
+    _check_lora_sync(cfg)
     if cfg.sync.wire_dtype != "auto" and cfg.sync.wire_dtype not in _DTYPES:
         config_error("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
     if cfg.buffer.format not in ("parquet", "arrow"):
         config_error("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
+
+
+def _check_lora_sync(cfg: RFTConfig) -> None:
+    if cfg.sync.lora not in ("merged", "adapter"):
+        config_error("sync.lora", cfg.sync.lora, "use merged (W + B A, every weight) or adapter (A and B only)")
+    if cfg.sync.lora != "adapter" or not vllm_lora_rank(cfg):
+        return
+    if cfg.sync.engine == "checkpoint":
+        config_error("sync.lora", cfg.sync.lora, "adapters travel over the weight groups (sync.engine=gloo/nccl/auto); "
+                                                 "with the checkpoint engine use sync.lora=merged")
+    if cfg.rollout.openai_api or cfg.mode == "serve":
+        config_error("sync.lora", cfg.sync.lora, "the OpenAI endpoint serves the base weights without the adapter; "
+                                                 "use sync.lora=merged with rollout.openai_api")
+    if max(s.trainer.lora.rank for _, s in stage_configs(cfg)) > VLLM_LORA_RANKS[-1]:
+        config_error("trainer.lora.rank", max(s.trainer.lora.rank for _, s in stage_configs(cfg)),
+                     f"vLLM's LoRA takes ranks up to {VLLM_LORA_RANKS[-1]}; use sync.lora=merged for larger ones")
 
 
 def sync_engine(sync: SyncConfig, on_gpu: bool) -> str:

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 import torch
 
@@ -24,7 +25,7 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import Task, TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume
 from rft.cluster import RankInfo, engine_count, engine_index, engine_leaders, losable_members, sync_layout
-from rft.config import RFTConfig, context_length, needs_rollouts
+from rft.config import RFTConfig, adapter_sync, context_length, needs_rollouts, vllm_lora_rank
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import run_filtered
 from rft.explorer.judge import JudgeClient
@@ -46,7 +47,8 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
     # one engine per rank; the job's engines share each step's tasks (rft/explorer/dealer.py)
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
-                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread())]
+                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread(),
+                             max_lora_rank=vllm_lora_rank(cfg))]
     stop.install()
     judges = _connect_judges(cfg, group) if cfg.cluster.judge_ranks else None
     runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
@@ -76,6 +78,14 @@ def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: Stop
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
 
 
+def prune_adapters(root: str, keep: str) -> None:
+    """Adapters of older versions than the one served (<run>/adapters/engine<k>/v<version>)."""
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if path != keep and os.path.isdir(path):
+            shutil.rmtree(path, ignore_errors=True)
+
+
 def _connect_judges(cfg: RFTConfig, group: ControlGroup) -> JudgeClient:
     """Reach the job's judge engines (rft/explorer/judge.py); they start while this rank's engine does."""
     from rft.config import judge_span
@@ -101,6 +111,7 @@ class Explorer:
         if runtime.resumed_at is not None:
             drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
         self.receiving_from: list[int] | None = None  # the engines of the weight groups this rank joined
+        self.adapter: dict | None = None  # a LoRA stage's adapter syncs (begin)
         self.engine = engine_index(cfg, info)
         self.dealer = Dealer(runtime.group.store, self.engine, engine_count(cfg), cfg.sync.timeout_s,
                              ranks=engine_leaders(cfg, info), tolerated=losable_members(cfg, info))
@@ -121,6 +132,11 @@ class Explorer:
     def begin(self, stage: Stage) -> None:
         """The stage's tasksets and runner; evaluate at its start (unless resumed inside it)."""
         cfg, data, rollout, rows = self.cfg, stage.cfg.data, stage.cfg.rollout, self.runtime.progress.rows
+        # a LoRA stage syncing adapters: the first sync of the stage (and attempt) brings its base
+        # weights too, as the trainer sends them (rft/trainer/publisher.py)
+        lora = stage.cfg.trainer.lora
+        self.adapter = {"dir": os.path.join(cfg.run.output_dir, "adapters", f"engine{self.engine}"),
+                        "rank": lora.rank, "alpha": lora.alpha, "base": True} if adapter_sync(stage.cfg) else None
         self.runner = WorkflowRunner(self.engines, rollout, stage.cfg.algorithm.reward, cfg.model.chat_template,
                                      self.failed_path)
         columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
@@ -217,8 +233,11 @@ class Explorer:
             for engine in self.engines:
                 engine.open_weight_receiver(layout, first)
             self.receiving_from = present
-        applied = max(engine.receive_weights() for engine in self.engines)
+        applied = max(engine.receive_weights(adapter=self.adapter) for engine in self.engines)
         self.version.value = self.engines[0].version
+        if self.adapter is not None:
+            self.adapter["base"] = False
+            prune_adapters(self.adapter["dir"], keep=self.engines[0].lora_request.lora_path)
         return applied
 
     def evaluate(self, stage: Stage, when: str, global_step: int) -> None:

@@ -63,11 +63,40 @@ class WeightReceiver:
             _reprocess_tied_layers(model)
         return result, time.perf_counter() - start
 
-    def rft_receive_weights(self, apply: bool = True) -> tuple[int, float]:
+    def rft_receive_weights(self, apply: bool = True, adapter: dict | None = None) -> tuple[int, float, str | None]:
+        """Receive one sync and load it; (version, seconds after the last bucket, adapter dir).
+
+        `adapter` (a LoRA stage with sync.lora=adapter: {"dir", "rank", "alpha", "base"}): the sync
+        holds PEFT-named adapter tensors, after the stage's base weights when "base" is set; the
+        base weights are loaded as usual and the adapter written to <dir>/v<version> for vLLM's
+        LoRA (the engine passes it with every request)."""
         if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
-            return self.rft_receiver.receive(lambda named: None)
-        (version, tail_s), finalize_s = self._rft_reload(self.rft_receiver.receive)
-        return version, tail_s + finalize_s
+            return (*self.rft_receiver.receive(lambda named: None), None)
+        if adapter is None:
+            (version, tail_s), finalize_s = self._rft_reload(self.rft_receiver.receive)
+            return version, tail_s + finalize_s, None
+        lora: dict = {}
+
+        def keeping_adapter(load_weights: Callable) -> Callable:
+            def load(named) -> None:
+                base = []
+                for name, tensor in named:
+                    if ".lora_A." in name or ".lora_B." in name:
+                        lora[name] = tensor.clone()  # the bucket's buffer is reused
+                    else:
+                        base.append((name, tensor))
+                if base:
+                    load_weights(base)
+            return load
+
+        if adapter["base"]:
+            (version, tail_s), finalize_s = self._rft_reload(lambda lw: self.rft_receiver.receive(keeping_adapter(lw)))
+        else:  # the model is untouched: no reload, no re-processing
+            (version, tail_s), finalize_s = self.rft_receiver.receive(keeping_adapter(lambda named: None)), 0.0
+        path = os.path.join(adapter["dir"], f"v{version}")
+        if self.rank == 0:  # one writer per engine; the engine reads it once every worker returned
+            write_peft_adapter(path, lora, adapter["rank"], adapter["alpha"])
+        return version, tail_s + finalize_s, path
 
     def rft_load_hf_dir(self, path: str) -> int:
         """Load every tensor of the HF checkpoint in `path` (its *.safetensors); returns how many."""
@@ -97,6 +126,25 @@ class WeightReceiver:
 
         group = self.rft_receiver.groups[0]
         group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=group.device), "raw bandwidth probe")
+
+
+def write_peft_adapter(path: str, tensors: dict, rank: int, alpha: float) -> None:
+    """A PEFT LoRA checkpoint (adapter_config.json, adapter_model.safetensors), written to a
+    temporary directory and renamed into place, so a reader never sees half of one."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    modules = sorted({name.split(".lora_")[0].rsplit(".", 1)[1] for name in tensors})
+    tmp = f"{path}.tmp{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, os.path.join(tmp, "adapter_model.safetensors"))
+    with open(os.path.join(tmp, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                   "target_modules": modules, "lora_dropout": 0.0, "bias": "none"}, f)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
 
 
 def _rotary_noise(record: logging.LogRecord) -> bool:
@@ -138,7 +186,8 @@ class RolloutEngine:
     """
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int,
-                 name: str = "engine 0", loop: LoopThread | None = None, runner: str = "generate"):
+                 name: str = "engine 0", loop: LoopThread | None = None, runner: str = "generate",
+                 max_lora_rank: int = 0):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         # Fold the TP=1 worker into the engine core process: one process less, and weight loads and
         # generation need no extra hop.
@@ -153,6 +202,7 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.name, self.max_model_len, self.version, self.in_flight = name, max_model_len, 0, 0
+        self.lora_request = None  # the adapter every request carries (LoRA stages with sync.lora=adapter)
         # requests are admitted while `_admitting` is set; `_idle` is set while none is in flight
         self._admitting, self._idle = asyncio.Event(), asyncio.Event()
         self._admitting.set()
@@ -161,6 +211,8 @@ class RolloutEngine:
                       max_num_seqs=rollout.max_num_seqs, tensor_parallel_size=rollout.tensor_parallel_size,
                       worker_extension_cls="rft.explorer.vllm_engine.WeightReceiver",
                       enable_prefix_caching=True, disable_log_stats=True, runner=runner)
+        if max_lora_rank:  # one adapter at a time: the newest version the trainer sent
+            kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:
@@ -196,7 +248,8 @@ class RolloutEngine:
         params.logprobs = 0  # the sampled token's logprob
         async with self.request_slot():
             final = None
-            async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex):
+            async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex,
+                                               lora_request=self.lora_request):
                 final = out
         return [Completion(token_ids=list(c.token_ids),
                            logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
@@ -211,17 +264,23 @@ class RolloutEngine:
         """Make every vLLM worker a receiver (indices first_index, first_index + 1, ...)."""
         self.collective_rpc("rft_open_weight_receiver", (layout.as_dict(), first_index))
 
-    def receive_weights(self, apply: bool = True) -> float:
-        """Block until the trainer's next sync arrives and load it (sets `version`).
+    def receive_weights(self, apply: bool = True, adapter: dict | None = None) -> float:
+        """Block until the trainer's next sync arrives and load it (sets `version`); `adapter`: a
+        LoRA adapter sync (WeightReceiver.rft_receive_weights), served from then on.
 
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
         """
+        from vllm.lora.request import LoRARequest
+
         with self.updating_weights():
-            replies = self.collective_rpc("rft_receive_weights", (apply,))
+            replies = self.collective_rpc("rft_receive_weights", (apply, adapter))
             start = time.perf_counter()
             if apply:
                 self.version = int(replies[0][0])
+                path = replies[0][2]
+                # a new id per version: vLLM caches adapters by id
+                self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, path) if path else None
                 self.run(self.llm.reset_prefix_cache())  # cached KV blocks came from the old weights
         return float(replies[0][1]) + (time.perf_counter() - start if apply else 0.0)
 
@@ -275,7 +334,8 @@ class RolloutEngine:
         async def one(ids: list[int]) -> list[float]:
             params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
             final = None
-            async for out in self.llm.generate(tokens_input(ids), params, request_id=uuid.uuid4().hex):
+            async for out in self.llm.generate(tokens_input(ids), params, request_id=uuid.uuid4().hex,
+                                               lora_request=self.lora_request):
                 final = out
             return [float(step[tok].logprob) for step, tok in zip(final.prompt_logprobs[1:], ids[1:])]
 

@@ -114,6 +114,33 @@ class LoRA(torch.nn.Module):
                 for key, adapter in self.adapters.items()}
 
     @torch.no_grad()
+    def adapter_tensors(self, geo) -> list[tuple[str, torch.Tensor]]:
+        """This pipeline stage's adapters, TP shards gathered, named as a PEFT checkpoint of the HF
+        model names them (what vLLM's LoRA loads: sync.lora=adapter). A fused layer's adapter
+        becomes one per HF projection: q, k, v (gate, up) each get the shared A and their rows of
+        B. A collective over the TP group: every TP rank calls it."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from rft.weights.convert import global_names
+        from rft.weights.hf_megatron import megatron_full_to_hf
+
+        tp = ps.get_tensor_model_parallel_world_size()
+        names = global_names(self.model, geo)
+        out = []
+        for key, adapter in self.adapters.items():
+            a, b = adapter.a.detach(), adapter.b.detach()
+            if tp > 1:  # the split one: B's rows (column layers), A's columns (row layers)
+                split, dim = (b, 0) if adapter.column else (a, 1)
+                shards = [torch.empty_like(split) for _ in range(tp)]
+                dist.all_gather(shards, split.contiguous(), group=ps.get_tensor_model_parallel_group())
+                a, b = (a, torch.cat(shards, 0)) if adapter.column else (torch.cat(shards, 1), b)
+            for hf_name, b_part in megatron_full_to_hf(names[key.replace("__", ".") + ".weight"], b, geo, tp):
+                module = "base_model.model." + hf_name.removesuffix(".weight")
+                out += [(module + ".lora_A.weight", a), (module + ".lora_B.weight", b_part.contiguous())]
+        return out
+
+    @torch.no_grad()
     def merge(self) -> None:
         """Fold the adapters into the model's weights, unhook them and unfreeze the model."""
         deltas = self.delta_weights()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -33,7 +34,9 @@ class WeightPublisher:
         self.cfg, self.info, self.on_gpu = cfg, info, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
         self.engines = None  # all of them
-        self.adapters = None  # a LoRA stage's adapters (rft/trainer/lora.py): sent merged into the weights
+        self.adapters = None  # a LoRA stage's adapters (rft/trainer/lora.py)
+        self.adapter_sync = False  # send them as adapters (sync.lora=adapter), not merged into the weights
+        self.base_sent = False  # adapter syncs: the stage's base weights went out (once per stage and attempt)
         if info.rank == layout.sender_ranks[stage]:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
@@ -48,12 +51,32 @@ class WeightPublisher:
         if self.sender is not None and engines != self.engines:
             self.sender.reopen(sync_layout(self.cfg, self.info, self.on_gpu, engines))
             self.engines = engines
-        tensors = export_hf_weights(model, self.geo, self._deltas())
+        table, tensors = self._payload(model)
         if self.sender is None:
             for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
                 pass
             return 0
-        return self.sender.send(hf_table(model, self.geo, self.wire), tensors, self.version)
+        return self.sender.send(table, tensors, self.version)
+
+    def begin_stage(self, adapters, adapter_sync: bool) -> None:
+        """A stage's LoRA adapters (None: none): sent merged (W + B A), or as PEFT adapters for
+        vLLM's LoRA with `adapter_sync`, after the stage's base weights once."""
+        self.adapters, self.adapter_sync, self.base_sent = adapters, adapter_sync, False
+
+    def _payload(self, model):
+        """(table, tensors) of one sync: every weight (W + B A in a merged LoRA stage), or in an
+        adapter stage the adapters alone, after the base weights the first time. Adapters go in
+        fp32: a few MB, and vLLM's LoRA applies them in its own dtype."""
+        if not self.adapter_sync:
+            return hf_table(model, self.geo, self.wire), export_hf_weights(model, self.geo, self._deltas())
+        adapter = self.adapters.adapter_tensors(self.geo)
+        table = [(name, tuple(t.shape), str(torch.float32)) for name, t in adapter]
+        base = iter(())
+        if not self.base_sent:
+            table = hf_table(model, self.geo, self.wire) + table
+            base = export_hf_weights(model, self.geo)
+        self.base_sent = True
+        return table, itertools.chain(base, adapter)
 
     def export_hf(self, model, step: int, root: str) -> None:
         """Write the current weights as an HF checkpoint `<root>/v<step>` (the checkpoint engine's

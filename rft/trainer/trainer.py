@@ -21,7 +21,7 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume, prune, rng_state, set_rng_state
 from rft.cluster import RankInfo, engine_leaders, losable_members
-from rft.config import RFTConfig, context_length, needs_critic, needs_rollouts, stage_configs
+from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs
 from rft.monitor import progress_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage
@@ -56,7 +56,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     total_steps = sum(s.trainer.max_steps for _, s in stages)
     for stage in runtime.stages():
         learner.begin(stage)
-        publisher.adapters = learner.lora  # a LoRA stage sends W + B A
+        publisher.begin_stage(learner.lora, adapter_sync(stage.cfg))  # a LoRA stage sends W + B A, or A and B
         step_start = time.time()
         for step in stage.steps():
             scalars = step.pending if step.resumed else learner.train(stage)
@@ -74,7 +74,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
                     "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
                     "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
         learner.end()  # a LoRA stage's adapters are merged into the weights now
-        publisher.adapters = None
+        publisher.begin_stage(None, False)
     lost = lost_ranks(group.store, engine_leaders(cfg, info)) if info.rank == 0 and losable_members(cfg, info) else {}
     return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {})})
 
@@ -87,7 +87,8 @@ def present_engines(cfg: RFTConfig, info: RankInfo, group: ControlGroup) -> list
 
 
 def sync_scalars(sent: int, seconds: float) -> dict[str, float]:
-    return {"timing/sync_s": seconds, "perf/sync_gbps": sent / max(seconds, 1e-9) / 1e9} if sent else {}
+    return {"timing/sync_s": seconds, "perf/sync_gbps": sent / max(seconds, 1e-9) / 1e9,
+            "sync/mb": sent / 2**20} if sent else {}
 
 
 def add_checkpoint_hooks(cfg: RFTConfig, info: RankInfo, runtime: Runtime, model, publisher: WeightPublisher) -> None:

@@ -191,6 +191,7 @@ class TrainerConfig:
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
     loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): activations redone in backward
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end
 
 
@@ -360,6 +361,7 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
     return resolved
 
 
+RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
 OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/buffer/context_fit.py)
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -738,6 +740,11 @@ def validate(cfg: RFTConfig) -> None:
         if (tp, pp) != (cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size):
             config_error(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
                   "the trainer's model layout lives for the whole run; set it globally")
+        if trainer.recompute not in RECOMPUTE_MODES:
+            config_error(f"{prefix}trainer.recompute", trainer.recompute, f"choose one of {RECOMPUTE_MODES}")
+        if trainer.recompute != cfg.trainer.recompute:
+            config_error(f"{prefix}trainer.recompute", trainer.recompute,
+                         "the trainer's model is built once for the run; set trainer.recompute globally")
     if cfg.sync.interval < 1:
         config_error("sync.interval", cfg.sync.interval, "use 1 (a sync after every step) or more")
     if cfg.sync.offset < 0:

@@ -69,7 +69,8 @@ def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
     """This rank's critic shard: the policy's trunk (copied) under a fresh value head."""
     from rft.trainer.model import build_gpt_model
 
-    model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False)
+    granularity = policy.config.recompute_granularity  # None, "selective" or "full": the critic recomputes alike
+    model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none")
     model.real_vocab_size = None  # no vocabulary columns to mask (forward.model_forward)
     if model.post_process:
         param = next(model.parameters())

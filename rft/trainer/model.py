@@ -46,11 +46,21 @@ def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None):
+RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations recomputed in backward
+    "none": {},
+    "selective": {"recompute_granularity": "selective"},  # core attention only: the cheap, big part
+    "full": {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+}
+
+
+def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
+                    recompute: str = "none"):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
 
     `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
     untied so its output layer (a value head) is its own and the PP embedding group leaves it alone.
+    `recompute` (trainer.recompute): none | selective (core attention) | full (every layer's
+    activations), trading backward compute for activation memory.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -105,6 +115,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         # losses are normalised by the whole batch's token count (train_step.py): Megatron's DDP
         # must sum gradients over DP replicas, not average them
         calculate_per_token_loss=True,
+        **RECOMPUTE[recompute],
     )
     model = GPTModel(
         config=config,

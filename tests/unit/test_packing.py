@@ -125,3 +125,4 @@ def test_mini_batches_deal_each_optimizer_steps_rows_over_dp():
     assert mini_batches(6, 4, 0, 2) == [[0, 2], [4]]
     assert mini_batches(6, 4, 1, 2) == [[1, 3], [5]]
     assert mini_batches(6, 0, 0, 1) == [list(range(6))]
+

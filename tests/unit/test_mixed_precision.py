@@ -9,16 +9,14 @@ fp32 too; a non-finite gradient skips the step and halves the scale; the optimiz
 the masters through a checkpoint."""
 
 import io
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from rft.cluster import free_port
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
 from rft.trainer.optimizer import LossScale
+from tests.unit.one_rank import init_one_rank, run_one_rank
 
 STEPS, LR = 30, 1e-6
 # The change each run made to the weights, against the fp32 run's, as a relative L2 error. Measured
@@ -58,15 +56,12 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(1, seed=0)
+    init_one_rank(port)
     hf = load_hf_state(model_dir)
     batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES)
     algo = AlgorithmConfig(name="sft", lr=LR, grad_clip=0.0)
@@ -114,9 +109,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("mixed_precision")
     model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    out = str(tmp / "out.pt")
-    mp.start_processes(_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
-    return torch.load(out)
+    return run_one_rank(_worker, model_dir, str(tmp))
 
 
 def _relative_error(delta: torch.Tensor, reference: torch.Tensor) -> float:

@@ -3,16 +3,14 @@ one CPU gloo rank (spawned): packed microbatches (rows back to back, block-diago
 give the padded path's logprobs, entropy, losses and gradients to 1e-5; and the token-budget
 microbatches hold every row once within the budget."""
 
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from rft.cluster import free_port
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
 from rft.trainer.microbatches import microbatches, mini_batches
+from tests.unit.one_rank import init_one_rank, run_one_rank
 
 PROMPTS = [[1, 5, 6, 14, 7], [1, 12, 13], [1, 20, 21, 17, 30, 31, 3, 3], [1, 9], [1, 4, 4], [1, 15, 16, 17]]
 RESPONSES = [[8, 9, 2], [2], [10, 11, 12, 13, 2, 7, 7], [4, 5], [6, 6, 6, 6, 2], [3, 2]]
@@ -46,14 +44,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import forward_logprobs, pack_microbatch
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(1, seed=0)
+    init_one_rank(port)
     model, geo = build_gpt_model(model_dir)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     res = {}
@@ -80,9 +75,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("packing")
     model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    out = str(tmp / "out.pt")
-    mp.start_processes(_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
-    return torch.load(out)
+    return run_one_rank(_worker, model_dir, str(tmp))
 
 
 def test_packed_forward_equals_padded(run):

@@ -5,15 +5,13 @@ acts after the first step, and every step's loss and the final weights equal a h
 loop (rows one at a time, unpadded; GRPO advantages and the clipped surrogate written out here;
 torch AdamW)."""
 
-import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from rft.cluster import free_port
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
+from tests.unit.one_rank import init_one_rank, run_one_rank
 
 PROMPTS = [[1, 5, 6, 14], [1, 12, 13], [1, 20, 21, 17, 30], [1, 9], [1, 3, 4], [1, 22], [1, 8, 8, 9], [1, 40]]
 RESPONSES = [[8, 9, 2], [2, 7], [10, 11, 12, 2], [4, 5], [6, 2], [7, 7, 3], [5], [9, 10, 2]]
@@ -68,15 +66,12 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(1, seed=0)
+    init_one_rank(port)
     hf = load_hf_state(model_dir)
     models = []
     for _ in range(2):
@@ -105,9 +100,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("ppo_epochs")
     model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    out = str(tmp / "out.pt")
-    mp.start_processes(_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
-    return torch.load(out)
+    return run_one_rank(_worker, model_dir, str(tmp))
 
 
 def test_two_epochs_of_two_mini_batches_are_four_optimizer_steps(run):

@@ -1,14 +1,11 @@
 """Activation recompute (trainer.recompute) on the tiny model with real megatron-core on one CPU
 gloo rank (spawned): selective and full recompute give the same loss and gradients as none."""
 
-import os
-
 import torch
-import torch.multiprocessing as mp
 
-from rft.cluster import free_port
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
+from tests.unit.one_rank import init_one_rank, run_one_rank
 from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES, CapturingOptimizer
 
 
@@ -16,14 +13,11 @@ def _recompute_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
-    from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    init_model_parallel(1, seed=0)
+    init_one_rank(port)
     hf, res = load_hf_state(model_dir), {}
     batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS)
     for recompute in ("none", "selective", "full"):
@@ -37,10 +31,7 @@ def _recompute_worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 def test_activation_recompute_gives_the_same_gradients(tmp_path):
     model_dir = create_tiny_model(TinyModelConfig(), str(tmp_path / "model"), seed=0)
-    out = str(tmp_path / "out.pt")
-    mp.start_processes(_recompute_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn",
-                       join=True)
-    res = torch.load(out)
+    res = run_one_rank(_recompute_worker, model_dir, str(tmp_path))
     (metrics, grads) = res["none"]
     for recompute in ("selective", "full"):
         assert res[recompute][0]["loss/policy"] == metrics["loss/policy"]

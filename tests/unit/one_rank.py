@@ -1,0 +1,28 @@
+"""One Megatron trainer rank on a gloo group of one, in a spawned process: Megatron's parallel state
+is global, so it stays out of pytest's process. A worker is `worker(rank, port, model_dir, out)`,
+starts with `init_one_rank(port)` and saves its results to `out`."""
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from rft.cluster import free_port
+
+
+def init_one_rank(port: int) -> None:
+    import torch.distributed as dist
+
+    from rft.trainer.model import init_model_parallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    init_model_parallel(1, seed=0)
+
+
+def run_one_rank(worker, model_dir: str, tmp_dir: str) -> dict:
+    """Run `worker` on one spawned rank; what it saved."""
+    out = os.path.join(tmp_dir, "out.pt")
+    mp.start_processes(worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
+    return torch.load(out)

@@ -1,11 +1,14 @@
 """A shortened quickstart (same model, data and stages, fewer steps) must still learn, judged from
-its TensorBoard event files; and every scalar the monitor promises is there."""
+its TensorBoard event files; and every scalar the monitor promises is there. GRPO with LoRA
+adapters (synced to vLLM as adapters) from the same SFT warm-up must learn too: the run exports its
+SFT'd model, so that run needs no warm-up of its own."""
 
 import json
 import os
 
 import pytest
 
+from rft.weights.engines import version_dir
 from tests.e2e.helpers import launch, tensorboard_scalars
 
 REQUIRED_SCALARS = [
@@ -20,7 +23,8 @@ SFT_STEPS, GRPO_STEPS = 1500, 40
 def quickstart_run(tmp_path_factory):
     run_dir = str(tmp_path_factory.mktemp("quickstart"))
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
-                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}")
+                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}",
+                    f"trainer.save_interval={SFT_STEPS}", "trainer.save_hf=true")  # the SFT'd model, for LoRA
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result.stdout
 
@@ -29,11 +33,8 @@ def quickstart_run(tmp_path_factory):
 def test_shortened_quickstart_learns(quickstart_run):
     run_dir, stdout = quickstart_run
     scalars = tensorboard_scalars(run_dir)
-    acc = sorted(scalars["eval/accuracy"])
     # evals: start of SFT (step 0), end of SFT / start of GRPO (step SFT_STEPS), end of GRPO
-    by_step = {}
-    for step, value in acc:
-        by_step.setdefault(step, []).append(value)
+    by_step = _accuracy_by_step(run_dir)
     start, after_sft, end = by_step[0][0], by_step[SFT_STEPS][-1], by_step[SFT_STEPS + GRPO_STEPS][-1]
     assert start < 0.05, "the random-init model should not already add"
     assert after_sft >= 0.15, f"SFT warm-up reached only {after_sft:.2f}"
@@ -55,3 +56,28 @@ def test_every_promised_scalar_is_logged(quickstart_run):
     summary = json.load(open(os.path.join(run_dir, "summary.json")))
     assert summary["steps"] == SFT_STEPS + GRPO_STEPS
     assert set(summary["stages"]) == {"sft", "grpo"}
+
+
+def _accuracy_by_step(run_dir: str) -> dict[int, list[float]]:
+    by_step: dict[int, list[float]] = {}
+    for step, value in sorted(tensorboard_scalars(run_dir)["eval/accuracy"]):
+        by_step.setdefault(step, []).append(value)
+    return by_step
+
+
+@pytest.mark.slow
+def test_lora_grpo_from_the_sft_warm_up_learns(quickstart_run, tmp_path):
+    sft_model = version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), SFT_STEPS)
+    run_dir = str(tmp_path / "lora")
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null", f"model.path={sft_model}",
+                    "sync.lora=adapter",
+                    "stages=[{name: grpo, algorithm: {name: grpo, lr: 2.0e-3, clip_eps: 0.2}, "
+                    f"trainer: {{max_steps: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    by_step = _accuracy_by_step(run_dir)
+    start, end = by_step[0][0], by_step[GRPO_STEPS][-1]
+    assert start >= 0.15, f"the exported SFT model scores only {start:.2f}"
+    assert end >= start + 0.05, f"LoRA GRPO did not raise accuracy: {start:.3f} -> {end:.3f}"
+    mb = [v for _, v in sorted(tensorboard_scalars(run_dir)["sync/mb"])]
+    assert mb[-1] < mb[0] / 5  # after the stage's base weights, each sync carries the adapters alone
+    assert not os.listdir(os.path.join(run_dir, "adapters", "engine0"))[1:]  # older versions pruned

@@ -29,6 +29,7 @@ from rft.algorithms.value_loss import clipped_value_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch
 from rft.trainer.pipeline import forward_pipelined
+from rft.trainer.model import collective_device
 from rft.trainer.optimizer import build_optimizer
 from rft.trainer.train_step import StepBatch, _dp, _place, _response_part, backward_and_step, step_scalars
 
@@ -113,7 +114,9 @@ class Critic:
             _response_part(batch, idx, packed.cpu(), full)
         _, dp_size, dp_group = _dp()
         if dp_size > 1:
-            dist.all_reduce(full, group=dp_group)
+            on_wire = full.to(collective_device())
+            dist.all_reduce(on_wire, group=dp_group)
+            full = on_wire.cpu()
         return full
 
     def update(self, batch: StepBatch, chunks: list[list[int]], mbs: list[Microbatch], old_values: torch.Tensor | None,

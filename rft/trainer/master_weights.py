@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rft.trainer.model import collective_device
 from rft.trainer.optimizer import LossScale, StepResult
 from rft.weights.hf_megatron import tp_split_dim
 
@@ -139,9 +140,9 @@ def global_grad_norm(model, grads: dict[str, torch.Tensor]) -> float:
     pp = ps.get_pipeline_model_parallel_world_size()
     mirror = pp > 1 and _tied(model) and not model.pre_process
     split_dim = getattr(model, "tp_split_dim", tp_split_dim)  # LoRA adapters say how theirs are split
-    total = torch.zeros(1)
+    total = torch.zeros(1, device=collective_device())
     for name, g in _counted(grads, mirror):
-        sq = g.float().pow(2).sum().cpu()
+        sq = g.float().pow(2).sum().to(total.device)
         total += sq if (split_dim(name) is not None or tp == 1) else sq / tp
     if tp > 1:
         dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())

@@ -32,6 +32,15 @@ def init_model_parallel(tp: int, seed: int, pp: int = 1) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def collective_device() -> torch.device:
+    """Where tensors built for a collective must live: NCCL (GPU trainers) takes CUDA tensors only."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint directory."""
     from safetensors.torch import load_file

@@ -32,6 +32,7 @@ from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, pack_microbatch
 from rft.trainer.microbatches import microbatches, mini_batches
+from rft.trainer.model import collective_device
 from rft.trainer.optimizer import StepResult, TrainerOptimizer
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
 
@@ -160,7 +161,7 @@ def backward_and_step(model, optimizer: TrainerOptimizer, mbs: list[Microbatch],
     model.train()
     optimizer.zero_grad()
     forward_backward(model, mbs, lambda *args: optimizer.scale_loss(loss_fn(*args)), with_entropy, head)
-    stats = torch.tensor(list(sums.values()))
+    stats = torch.tensor(list(sums.values()), device=collective_device())
     if dp_size > 1:
         dist.all_reduce(stats, group=dp_group)
     if ps.get_pipeline_model_parallel_world_size() > 1:
@@ -180,7 +181,7 @@ def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) ->
     """Response tokens to train and responses with at least one of them, in the whole batch
     (summed over DP ranks)."""
     counts = torch.tensor([float(sum(sum(batch.mask_of(i)) for i in rows)),
-                           float(sum(1 for i in rows if any(batch.mask_of(i))))])
+                           float(sum(1 for i in rows if any(batch.mask_of(i))))], device=collective_device())
     if dp_size > 1:
         dist.all_reduce(counts, group=dp_group)
     return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))

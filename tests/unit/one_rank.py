@@ -1,4 +1,4 @@
-"""One Megatron trainer rank on a gloo group of one, in a spawned process: Megatron's parallel state
+"""One Megatron trainer rank on a group of one (gloo; NCCL on a GPU), in a spawned process: Megatron's parallel state
 is global, so it stays out of pytest's process. A worker is `worker(rank, port, model_dir, out)`,
 starts with `init_one_rank(port)` and saves its results to `out`."""
 
@@ -17,7 +17,8 @@ def init_one_rank(port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # as a job's trainer ranks (rft/cluster.py): NCCL where the model lives on a GPU
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     init_model_parallel(1, seed=0)
 
 

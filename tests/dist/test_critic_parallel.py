@@ -1,4 +1,5 @@
-"""PPO's critic under TP=2, PP=2 and DP=2 on gloo ranks scores and trains as on one rank.
+"""PPO's critic under TP=2, PP=2 and DP=2 on gloo ranks scores and trains as on one rank (padded
+microbatches, and packed ones under PP and TP).
 
 A whole PPO step (train_step with a critic: values -> GAE -> policy step -> critic step) runs on
 Llama (tied embeddings: the critic is built untied, its trunk copied from the policy's stage
@@ -17,7 +18,7 @@ KEYS = ("critic/value_loss", "critic/vf_clipfrac", "critic/values_mean", "critic
         "loss/policy", "actor/grad_norm")
 
 
-def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str) -> None:
+def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str, budget: int = 0) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -44,7 +45,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
            for idx in chunks]
     before = critic.values(batch, chunks, mbs)
     optimizer = build_optimizer(policy, lr=algo.lr)
-    metrics = train_step(policy, optimizer, batch, algo, micro, 0, None, norm_len=8, critic=critic)
+    metrics = train_step(policy, optimizer, batch, algo, micro, 0, None, norm_len=8, critic=critic,
+                         max_tokens_per_microbatch=budget)
     after = critic.values(batch, chunks, mbs)
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 \
         and ps.get_data_parallel_rank() == 0
@@ -55,8 +57,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     dist.destroy_process_group()
 
 
-def _run(world: int, tp: int, pp: int, model_dir: str, out: str) -> dict:
-    spawn(_worker, world, tp, pp, free_port(), model_dir, out)
+def _run(world: int, tp: int, pp: int, model_dir: str, out: str, budget: int = 0) -> dict:
+    spawn(_worker, world, tp, pp, free_port(), model_dir, out, budget)
     result = torch.load(out)
     result["rank0_metrics"] = torch.load(out + ".rank0")
     return result
@@ -75,12 +77,13 @@ def one_rank(models, tmp_path_factory) -> dict[str, dict]:
     return {f: _run(1, 1, 1, path, str(root / f"{f}.pt")) for f, path in models.items()}
 
 
-@pytest.mark.parametrize("family, world, tp, pp", [("llama", 2, 2, 1), ("llama", 2, 1, 2), ("llama", 2, 1, 1),
-                                                   ("qwen3", 2, 2, 1)],
-                         ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen3-tp2"])
-def test_critic_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp):
+@pytest.mark.parametrize("family, world, tp, pp, budget", [
+    ("llama", 2, 2, 1, 0), ("llama", 2, 1, 2, 0), ("llama", 2, 1, 1, 0), ("qwen3", 2, 2, 1, 0),
+    ("llama", 2, 1, 2, 12), ("qwen3", 2, 2, 1, 12)],  # packed microbatches (12-token budget) too
+    ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen3-tp2", "llama-pp2-packed", "qwen3-tp2-packed"])
+def test_critic_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp, budget):
     one = one_rank[family]
-    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"))
+    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"), budget)
     torch.testing.assert_close(par["before"], one["before"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(par["after"], one["after"], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(one["after"], one["before"])  # the critic stepped

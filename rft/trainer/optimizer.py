@@ -53,9 +53,10 @@ class TrainerOptimizer(Protocol):
 
 def build_optimizer(model, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99),
                     loss_scale: float | None = None, distributed: bool = False) -> TrainerOptimizer:
-    """AdamW over `model`'s trainable parameters (a GPTModel, or a stage's LoRA adapters) with fp32 masters. `loss_scale`: a constant scale, or None
-    for dynamic scaling with fp16 parameters (1 otherwise). `distributed`: shard the masters and
-    AdamW's state over DP ranks (Megatron's distributed optimizer; CUDA only, ignored on CPU)."""
+    """AdamW over `model`'s trainable parameters (a GPTModel, or a stage's LoRA adapters) with fp32
+    masters. `loss_scale`: a constant scale, or None for dynamic scaling with fp16 parameters (1
+    otherwise). `distributed`: shard the masters and AdamW's state over DP ranks (Megatron's
+    distributed optimizer; CUDA only, ignored on CPU)."""
     from rft.trainer.lora import LoRA
 
     dtype = next(model.parameters()).dtype

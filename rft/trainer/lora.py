@@ -53,7 +53,8 @@ class LoRA(torch.nn.Module):
         super().__init__()
         unknown = sorted(set(targets) - set(TARGETS))
         if unknown:
-            raise ValueError(f"trainer.lora.target_modules: {unknown} are not LoRA targets; use some of {list(TARGETS)}")
+            raise ValueError(f"trainer.lora.target_modules: {unknown} are not LoRA targets; "
+                             f"use some of {list(TARGETS)}")
         self.rank, self.scale, self.dropout = rank, alpha / rank, dropout
         object.__setattr__(self, "model", model)  # beside the model, not a submodule: its state stays its own
         self.hooks: list = []
@@ -104,7 +105,8 @@ class LoRA(torch.nn.Module):
             x = F.dropout(x, self.dropout)
         h = x @ adapter.a.t()
         if ps.get_tensor_model_parallel_world_size() > 1:
-            h = copy_to_tensor_model_parallel_region(h) if adapter.column else reduce_from_tensor_model_parallel_region(h)
+            # column: all-reduce A's gradient in backward; row: sum the ranks' A_i x_i in forward
+            h = (copy_to_tensor_model_parallel_region if adapter.column else reduce_from_tensor_model_parallel_region)(h)
         return (h @ adapter.b.t()) * self.scale
 
     def delta_weights(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,12 @@
-"""Shared test setup: where the GSM8K files live (the checkout sits beside ../shared)."""
+"""Shared test setup: where the GSM8K files live (the checkout sits beside ../shared), and one
+shortened quickstart run whose SFT'd model later tests start from."""
 
 import os
 import signal
 
 import pytest
+
+from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("RFT_GSM8K_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
@@ -22,6 +25,28 @@ def gsm8k_dir() -> str:
     if not os.path.exists(os.path.join(GSM8K_DIR, "train.jsonl")):
         pytest.skip(f"GSM8K files not found in {GSM8K_DIR}; set RFT_GSM8K_DIR")
     return GSM8K_DIR
+
+
+@pytest.fixture(scope="session")
+def quickstart_run(tmp_path_factory) -> tuple[str, str]:
+    """The quickstart with a shortened GRPO stage, on this machine: (run dir, launcher stdout). It
+    exports the SFT'd model at the end of SFT (`exported_sft_model`), so that tests of GRPO variants
+    (LoRA, two engines on Slurm) need no 1500-step warm-up of their own."""
+    run_dir = str(tmp_path_factory.mktemp("quickstart"))
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
+                    f"stages.0.trainer.max_steps={QUICKSTART_SFT_STEPS}",
+                    f"stages.1.trainer.max_steps={QUICKSTART_GRPO_STEPS}",
+                    f"trainer.save_interval={QUICKSTART_SFT_STEPS}", "trainer.save_hf=true")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return run_dir, result.stdout
+
+
+@pytest.fixture(scope="session")
+def exported_sft_model(quickstart_run) -> str:
+    """The quickstart's model at the end of its SFT warm-up, as a HF directory (`model.path=`)."""
+    from rft.weights.engines import version_dir
+
+    return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# the shortened quickstart of the session fixture `quickstart_run` (tests/conftest.py)
+QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 1500, 40
 
 
 def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -19,8 +21,17 @@ def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = No
     launcher's environment (default: this process's), e.g. another Slurm's SLURM_CONF."""
     if not any(o.startswith("cluster=") for o in overrides):
         overrides = ("cluster=local", *overrides)
-    return subprocess.run([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout, env=env)
+    args = [sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"]
+    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = launcher.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not subprocess.run's SIGKILL: the launcher then cancels its job. A killed launcher
+        # left a Slurm job running, and the next Slurm test waited behind it and failed too.
+        stop_launcher(launcher)
+        stdout, stderr = launcher.communicate()
+        raise AssertionError(f"the launcher ran past {timeout} s:\n{stdout[-3000:]}\n{stderr[-3000:]}") from None
+    return subprocess.CompletedProcess(args, launcher.returncode, stdout, stderr)
 
 
 def tensorboard_scalars(run_dir: str) -> dict[str, list[tuple[int, float]]]:

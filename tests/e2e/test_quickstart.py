@@ -8,25 +8,14 @@ import os
 
 import pytest
 
-from rft.weights.engines import version_dir
-from tests.e2e.helpers import launch, tensorboard_scalars
+from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch, tensorboard_scalars
 
 REQUIRED_SCALARS = [
     "reward/mean", "reward/std", "response_length/mean", "loss/policy", "loss/kl", "actor/entropy",
     "actor/clipfrac", "actor/grad_norm", "eval/accuracy", "timing/rollout_s", "timing/train_s",
     "timing/sync_s", "perf/tokens_per_s", "policy/version_lag",
 ]
-SFT_STEPS, GRPO_STEPS = 1500, 40
-
-
-@pytest.fixture(scope="module")
-def quickstart_run(tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("quickstart"))
-    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
-                    f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}",
-                    f"trainer.save_interval={SFT_STEPS}", "trainer.save_hf=true")  # the SFT'd model, for LoRA
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return run_dir, result.stdout
+SFT_STEPS, GRPO_STEPS = QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS
 
 
 @pytest.mark.slow
@@ -66,10 +55,9 @@ def _accuracy_by_step(run_dir: str) -> dict[int, list[float]]:
 
 
 @pytest.mark.slow
-def test_lora_grpo_from_the_sft_warm_up_learns(quickstart_run, tmp_path):
-    sft_model = version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), SFT_STEPS)
+def test_lora_grpo_from_the_sft_warm_up_learns(exported_sft_model, tmp_path):
     run_dir = str(tmp_path / "lora")
-    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null", f"model.path={sft_model}",
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null", f"model.path={exported_sft_model}",
                     "sync.lora=adapter",
                     "stages=[{name: grpo, algorithm: {name: grpo, lr: 2.0e-3, clip_eps: 0.2}, "
                     f"trainer: {{max_steps: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]")

@@ -8,6 +8,7 @@ nothing ever materialises [b, s, V] on one rank when TP > 1.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,9 @@ class Microbatch:
     position_ids: torch.Tensor  # like input_ids; restart at 0 for each packed sequence
     attention_mask: torch.Tensor | None = None  # [1, 1, s, s] True = not allowed (packed); None: causal
     row_index: torch.Tensor | None = None  # packed: [sequences, longest - 1] target positions in the row, -1 = none
+    # positions (row-major over input_ids) that predict a response token, whatever its loss mask:
+    # the only logits a policy's loss, old logprobs or reference logprobs read
+    response_targets: torch.Tensor | None = None
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per-target values [b, s-1] of the model's layout in the padded layout (0 on padding)."""
@@ -63,20 +67,23 @@ def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = max(lengths)
     mask = _loss_mask(prompts, responses, width, response_masks).to(device)
+    # where each sequence starts in input_ids, flattened: row starts (padded) or offsets in the one row (packed)
+    starts = torch.tensor([0] + lengths[:-1]).cumsum(0) if packed else torch.arange(len(lengths)) * width
+    targets = torch.cat([torch.arange(len(p) - 1, len(p) + len(r) - 1) + start
+                         for p, r, start in zip(prompts, responses, starts.tolist())]).to(device)
     if packed:
-        return _packed(prompts, responses, lengths, mask, device)
+        return _packed(prompts, responses, lengths, starts, mask, targets, device)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     for row, (p, r) in enumerate(zip(prompts, responses)):
         ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
     positions = torch.arange(width, dtype=torch.int64).unsqueeze(0).expand(len(prompts), -1)
-    return Microbatch(ids.to(device), mask, positions.contiguous().to(device))
+    return Microbatch(ids.to(device), mask, positions.contiguous().to(device), response_targets=targets)
 
 
-def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[int], mask: torch.Tensor,
-            device: torch.device) -> Microbatch:
+def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[int], starts: torch.Tensor,
+            mask: torch.Tensor, targets: torch.Tensor, device: torch.device) -> Microbatch:
     ids = torch.tensor([t for p, r in zip(prompts, responses) for t in p + r], dtype=torch.int64)
     total, width = len(ids), max(lengths)
-    starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
     sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     positions = torch.arange(total) - starts[sequence]
     allowed = (sequence[:, None] == sequence[None, :]) & (positions[:, None] >= positions[None, :])
@@ -84,7 +91,7 @@ def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[
     t = torch.arange(width - 1)
     row_index = torch.where(t[None, :] < torch.tensor(lengths)[:, None] - 1, starts[:, None] + t[None, :], -1)
     return Microbatch(ids[None].to(device), mask, positions[None].to(device), (~allowed)[None, None].to(device),
-                      row_index.to(device))
+                      row_index.to(device), targets)
 
 
 def causal_mask(width: int, device: torch.device) -> torch.Tensor:
@@ -128,8 +135,32 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     return logprobs, entropy
 
 
-def model_forward(model, mb: Microbatch) -> torch.Tensor:
+@contextmanager
+def _output_layer_at(model, positions: torch.Tensor | None):
+    """While open, the model's output layer sees only the hidden states at `positions` (row-major
+    over [b, s]), so the model returns logits [1, len(positions), V/tp]."""
+    if positions is None or not model.post_process:
+        yield
+        return
+
+    def select(_module, args):
+        hidden = args[0]  # [s, b, h]
+        picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[positions]
+        return (picked.unsqueeze(1), *args[1:])
+
+    handle = model.output_layer.register_forward_pre_hook(select)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def model_forward(model, mb: Microbatch, response_only: bool = False) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last pipeline stage, hidden states [s, b, h] on the others.
+    `response_only`: logits at `mb.response_targets` alone, [1, targets, V/tp]. On SmolLM2's 49k
+    vocabulary the output layer is a fifth of the model's multiply-adds per position, and the
+    softmax over the vocabulary after it as much memory traffic as the rest; the prompt's and
+    the padding's logits were computed and never read.
 
     Columns of the vocabulary padding (Megatron pads it to a multiple of TP) get a logit that
     no softmax sees, so probabilities are over the model's real vocabulary, as in HF and vLLM.
@@ -138,7 +169,8 @@ def model_forward(model, mb: Microbatch) -> torch.Tensor:
 
     width = mb.input_ids.shape[1]
     mask = mb.attention_mask if mb.attention_mask is not None else causal_mask(width, mb.input_ids.device)
-    out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask)
+    with _output_layer_at(model, mb.response_targets if response_only else None):
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask)
     real_vocab = getattr(model, "real_vocab_size", None)
     if not model.post_process or real_vocab is None:
         return out
@@ -150,21 +182,33 @@ def model_forward(model, mb: Microbatch) -> torch.Tensor:
     return out.masked_fill(padded, -1e9)  # finite: exp() is 0 and 0 * logit stays 0 in the entropy
 
 
-def logprobs_from_logits(logits: torch.Tensor, mb: Microbatch, with_entropy: bool = True
-                         ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def logprobs_from_logits(logits: torch.Tensor, mb: Microbatch, with_entropy: bool = True,
+                         response_only: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-target logprobs [sequences, longest - 1] (and entropy) of `mb`, in the padded layout,
-    from this rank's vocab-parallel logits."""
+    from this rank's vocab-parallel logits: of every position, or (`response_only`, logits from
+    `model_forward(..., response_only=True)`) of the response targets, 0 elsewhere."""
     from megatron.core import parallel_state
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
     vocab_start = parallel_state.get_tensor_model_parallel_rank() * logits.shape[-1]
-    logprobs, entropy = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
-                                                with_entropy)
-    return mb.rows(logprobs), None if entropy is None else mb.rows(entropy)
+    if not response_only:
+        logprobs, entropy = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
+                                                    with_entropy)
+        return mb.rows(logprobs), None if entropy is None else mb.rows(entropy)
+    targets = mb.input_ids.reshape(-1)[mb.response_targets + 1]  # the token each position predicts
+    logprobs, entropy = vocab_parallel_logprobs(logits, targets[None], group, vocab_start, with_entropy)
+
+    def per_target(values: torch.Tensor) -> torch.Tensor:  # [1, targets] -> [sequences, longest - 1]
+        b, s = mb.input_ids.shape
+        full = values.new_zeros(b * s).index_put((mb.response_targets,), values[0])
+        return mb.rows(full.view(b, s)[:, :-1])
+
+    return per_target(logprobs), None if entropy is None else per_target(entropy)
 
 
 def forward_logprobs(model, mb: Microbatch, with_entropy: bool = True
                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-target logprobs [b, s-1] (and entropy) of `mb` under `model` (no pipeline stages)."""
-    return logprobs_from_logits(model_forward(model, mb), mb, with_entropy)
+    """Per-target logprobs [b, s-1] (and entropy) of `mb`'s response tokens under `model` (no
+    pipeline stages); 0 at the prompt's targets and the padding."""
+    return logprobs_from_logits(model_forward(model, mb, response_only=True), mb, with_entropy, response_only=True)

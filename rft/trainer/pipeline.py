@@ -21,12 +21,23 @@ from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward
 # the outputs are (logprobs [b, s-1], entropy or None)
 LossFn = Callable[..., torch.Tensor]
 # the last stage's model output and its microbatch -> what the loss (or the caller) takes: the
-# policy's head turns logits into logprobs, the critic's (rft/trainer/critic.py) reads values
+# policy's head turns logits into logprobs, the critic's (rft/trainer/critic.py) reads values.
+# A head with `response_only = True` gets the model's output at the response targets alone
+# (forward.model_forward).
 Head = Callable[[torch.Tensor, Microbatch], tuple]
 
 
-def logprobs_head(with_entropy: bool = True) -> Head:
-    return lambda logits, mb: logprobs_from_logits(logits, mb, with_entropy)
+class LogprobsHead:
+    """The policy's head: per-target logprobs of the response tokens and their entropy (unless
+    not `with_entropy`), from logits computed at the response targets alone."""
+
+    response_only = True  # (False: logits at every position, as before; tests compare the two)
+
+    def __init__(self, with_entropy: bool = True):
+        self.with_entropy = with_entropy
+
+    def __call__(self, logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return logprobs_from_logits(logits, mb, self.with_entropy, response_only=self.response_only)
 
 
 def _stage():
@@ -35,10 +46,10 @@ def _stage():
     return ps.get_pipeline_model_parallel_world_size(), ps.is_pipeline_first_stage(), ps.is_pipeline_last_stage()
 
 
-def _run_model(model, mb: Microbatch, hidden_in: torch.Tensor | None) -> torch.Tensor:
+def _run_model(model, mb: Microbatch, hidden_in: torch.Tensor | None, head) -> torch.Tensor:
     if hidden_in is not None:
         model.set_input_tensor(hidden_in)
-    return model_forward(model, mb)
+    return model_forward(model, mb, response_only=getattr(head, "response_only", False))
 
 
 def _hidden_shape(model, mb: Microbatch) -> tuple[int, int, int]:
@@ -61,11 +72,11 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
     the last stage); the default head gives logprobs and entropy (unless `with_entropy` is False)."""
     from megatron.core import parallel_state as ps
 
-    head = head or logprobs_head(with_entropy)
+    head = head or LogprobsHead(with_entropy)
     pp, first, last = _stage()
     if pp == 1:
         for m, mb in enumerate(mbs):
-            loss_fn(m, mb, *head(_run_model(model, mb, None), mb)).backward()
+            loss_fn(m, mb, *head(_run_model(model, mb, None, head), mb)).backward()
         return
     param = next(model.parameters())
     prev, nxt = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
@@ -75,7 +86,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
         if not first:
             hidden_in = _recv(_hidden_shape(model, mb), model.config.pipeline_dtype, param.device, prev)
             hidden_in.requires_grad_(True)
-        out = _run_model(model, mb, hidden_in)
+        out = _run_model(model, mb, hidden_in, head)
         if last:
             out = loss_fn(m, mb, *head(out, mb))
         else:
@@ -92,7 +103,8 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
 
 def forward_logprobs_pipelined(model, mbs: list[Microbatch]) -> list[torch.Tensor] | None:
     """Per-target logprobs of each microbatch; returned on the last stage, None elsewhere."""
-    return forward_pipelined(model, mbs, lambda logits, mb: logprobs_from_logits(logits, mb, with_entropy=False)[0])
+    out = forward_pipelined(model, mbs, LogprobsHead(with_entropy=False))
+    return None if out is None else [logprobs for logprobs, _ in out]
 
 
 @torch.no_grad()
@@ -109,7 +121,7 @@ def forward_pipelined(model, mbs: list[Microbatch], head: Callable[[torch.Tensor
         if not first:
             hidden_in = _recv(_hidden_shape(model, mb), model.config.pipeline_dtype, param.device,
                               ps.get_pipeline_model_parallel_prev_rank())
-        result = _run_model(model, mb, hidden_in)
+        result = _run_model(model, mb, hidden_in, head)
         if last:
             out.append(head(result, mb))
         else:

@@ -39,7 +39,8 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
     model.output_layer.register_forward_hook(keep_logits_grad)
     optimizer = MasterWeightsOptimizer(model, lambda masters: torch.optim.SGD(masters, lr=0.1))
     train_step(model, optimizer, batch, AlgorithmConfig(), micro_batch_size=len(experiences), pad_id=0)
-    torch.save({"logprobs": logprobs, "mask": mb.loss_mask, "grad": grads[0]}, out)
+    torch.save({"logprobs": logprobs, "mask": mb.loss_mask, "grad": grads[0], "targets": mb.response_targets,
+                "width": mb.input_ids.shape[1]}, out)
 
 
 def test_trainer_scores_vllm_sampled_turns_and_observations_get_no_gradient(tmp_path):
@@ -82,10 +83,12 @@ def test_trainer_scores_vllm_sampled_turns_and_observations_get_no_gradient(tmp_
         unsampled = [t for t in range(1, len(e.token_ids)) if not e.loss_mask[t]]
         assert all(result["mask"][row, t - 1] == 0 for t in unsampled)
     assert compared >= 8 * TURNS
-    grad = result["grad"]  # Megatron's logits are [sequence, batch, vocab]
-    mask = result["mask"].T  # [s-1, b]: position t scores token t+1
-    on_unsampled = grad[:-1][mask == 0]
-    assert torch.count_nonzero(on_unsampled) == 0, "tokens the policy did not sample got gradient"
-    assert torch.count_nonzero(grad[:-1][mask == 1]) > 0
-    assert torch.count_nonzero(grad[-1]) == 0  # the last position predicts nothing
+    # logits exist at the response targets alone ([targets, 1, vocab], row-major positions), and
+    # the observations between the model's turns, though computed, get no gradient
+    grad, targets = result["grad"][:, 0], result["targets"]
+    rows, positions = targets // result["width"], targets % result["width"]
+    sampled = result["mask"][rows, positions] == 1
+    assert sampled.any() and not sampled.all()
+    assert torch.count_nonzero(grad[~sampled]) == 0, "tokens the policy did not sample got gradient"
+    assert all(torch.count_nonzero(g) > 0 for g in grad[sampled])
     os.remove(out)

@@ -1,7 +1,8 @@
 """Sequence packing (trainer.max_tokens_per_microbatch) on the tiny model with real megatron-core on
 one CPU gloo rank (spawned): packed microbatches (rows back to back, block-diagonal causal mask)
-give the padded path's logprobs, entropy, losses and gradients to 1e-5; and the token-budget
-microbatches hold every row once within the budget."""
+give the padded path's logprobs, entropy, losses and gradients to 1e-5; logits computed at the
+response targets alone give what logits at every position gave; and the token-budget microbatches
+hold every row once within the budget."""
 
 
 import pytest
@@ -43,8 +44,9 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
-    from rft.trainer.forward import forward_logprobs, pack_microbatch
+    from rft.trainer.forward import forward_logprobs, logprobs_from_logits, model_forward, pack_microbatch
     from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.pipeline import LogprobsHead
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -57,6 +59,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
         for packed in (False, True):
             mb = pack_microbatch(PROMPTS, RESPONSES, 0, cpu, MASKS, packed=packed)
             res[f"forward_{packed}"] = (*forward_logprobs(model, mb), mb.loss_mask, tuple(mb.input_ids.shape))
+        padded = pack_microbatch(PROMPTS, RESPONSES, 0, cpu, MASKS)  # logits at every position, as before
+        res["forward_every_position"] = logprobs_from_logits(model_forward(model, padded), padded)
     gen = torch.Generator().manual_seed(0)
     batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=REWARDS,
                       old_logprobs=[(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES],
@@ -67,6 +71,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             optimizer = CapturingOptimizer(model)
             metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget)
             res[f"step_{agg}_{budget}"] = (metrics, optimizer.grads)
+    LogprobsHead.response_only = False  # the policy's logits at every position, as before
+    optimizer = CapturingOptimizer(model)
+    algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", entropy_coef=0.01)
+    metrics = train_step(model, optimizer, batch, algo, 2, 0)
+    res["step_every_position"] = (metrics, optimizer.grads)
     torch.save(res, out)
     dist.destroy_process_group()
 
@@ -86,10 +95,27 @@ def test_packed_forward_equals_padded(run):
     assert torch.equal(pad_mask, pack_mask)
     valid = torch.zeros_like(pad_mask, dtype=torch.bool)
     for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
-        valid[i, : len(p) + len(r) - 1] = True  # every real target, prompt included
+        valid[i, len(p) - 1: len(p) + len(r) - 1] = True  # every response target, observations included
     torch.testing.assert_close(pack_lp[valid], pad_lp[valid], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(pack_ent[valid], pad_ent[valid], atol=1e-5, rtol=1e-5)
-    assert (pack_lp[~valid] == 0).all()
+    assert (pack_lp[~valid] == 0).all() and (pad_lp[~valid] == 0).all()  # no logits computed there
+
+
+def test_logits_at_the_response_targets_alone_give_what_every_positions_gave(run):
+    """The policy computes logits where a response token is predicted, not over prompt and padding."""
+    every_lp, every_ent = run["forward_every_position"]
+    lp, ent, mask, _ = run["forward_False"]
+    valid = torch.zeros_like(mask, dtype=torch.bool)
+    for i, (p, r) in enumerate(zip(PROMPTS, RESPONSES)):
+        valid[i, len(p) - 1: len(p) + len(r) - 1] = True
+    torch.testing.assert_close(lp[valid], every_lp[valid], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent[valid], every_ent[valid], atol=1e-6, rtol=1e-6)
+    assert (every_lp[~valid] != 0).any()  # the prompt's were computed before
+    (response_only, grads), (every, every_grads) = run["step_token-mean_0"], run["step_every_position"]
+    for key in ("loss/policy", "actor/entropy", "actor/clipfrac"):
+        assert response_only[key] == pytest.approx(every[key], abs=1e-6), key
+    for name, grad in every_grads.items():
+        torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

@@ -1,0 +1,155 @@
+"""Seconds per GRPO step of rft against TRL's GRPOTrainer, on the same workload in the same run.
+
+    python tools/bench_grpo_step.py [--model smollm2_135m|PATH] [--prompts 8] [--samples 4]
+        [--max-new 64] [--steps 6] [--lr 1e-6] [--no-trl] [--out DIR]
+
+The workload: an instruct model in fp32 (default SmolLM2-135M-Instruct, after
+`python tools/prepare_smollm2.py`), `--prompts` "a+b=" prompts per step with `--samples` samples
+each (the GRPO group), at most `--max-new` new tokens, exact-match reward on the sum; one step =
+generate + reward + train + weight sync into the generator.
+
+rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM rank, synchronous),
+a GRPO stage of `--steps` steps; each step's split into rollout (generation and reward), train,
+sync (the trainer's send and vLLM's load) and other comes from the ranks' metrics, as in
+tools/bench_quickstart.py. TRL, when `import trl` works: `GRPOTrainer` with its default HF
+generation (`use_vllm=False`) on the same prompts, group size, lengths, learning rate and loss
+(token-mean, no KL), every prompt of a step in one generation batch and one optimizer step, timed
+per step by a trainer callback. TRL is not one of rft's dependencies; to compare, install it next
+to rft: `pip install trl datasets`. The first step of each is left out (start-up); the medians are
+compared. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_weight_sync import resolve_model  # noqa: E402
+
+
+def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
+    """`count` "a+b=" tasks as a jsonl taskset (question, answer)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(count):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append({"question": f"{a}+{b}=", "answer": str(a + b)})
+    with open(path, "w") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    return rows
+
+
+def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, float]]:
+    """Run the GRPO stage through the launcher; each step's time split, from the ranks' metrics."""
+    from rft.monitor import read_jsonl
+
+    cmd = [sys.executable, "-m", "rft.launch", "cluster=local", "model=smollm2_135m", f"model.path={model_dir}",
+           f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", "algorithm.reward=exact_match",
+           f"algorithm.group_size={args.samples}", f"algorithm.lr={args.lr}", "algorithm.kl_coef=0.0",
+           f"rollout.tasks_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new}",
+           f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.prompts * args.samples}",
+           "monitor.eval_interval=0", "monitor.progress=false"]
+    print("rft:", " ".join(cmd), flush=True)
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    trainer = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
+               if "timing/step_s" in r}
+    rollout: dict[int, dict] = {}
+    for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl")):
+        rollout.setdefault(r["step"], {}).update(r)
+    rows = []
+    for step in sorted(trainer):
+        t, r = trainer[step], rollout[step]
+        row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"], "train_s": t["timing/train_s"],
+               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"]}
+        row["other_s"] = row["step_s"] - row["rollout_s"] - row["train_s"] - row["sync_s"]
+        rows.append(row)
+    return rows
+
+
+def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> list[float] | None:
+    """Seconds per optimizer step of TRL's GRPOTrainer on the same workload (None: TRL not installed)."""
+    try:
+        from datasets import Dataset
+        from transformers import TrainerCallback
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError:
+        return None
+
+    class StepTimer(TrainerCallback):
+        def __init__(self):
+            self.seconds: list[float] = []
+            self.started = 0.0
+
+        def on_step_begin(self, *_, **__):
+            self.started = time.perf_counter()
+
+        def on_step_end(self, *_, **__):
+            self.seconds.append(time.perf_counter() - self.started)
+
+    def exact_sum(completions, answer, **_):
+        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+
+    dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"]}
+                                 for t in tasks])
+    batch = args.prompts * args.samples
+    config = GRPOConfig(output_dir=out, use_cpu=True, per_device_train_batch_size=batch,
+                        num_generations=args.samples, max_completion_length=args.max_new,
+                        learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=args.steps,
+                        logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
+    timer = StepTimer()
+    trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_sum, args=config, train_dataset=dataset,
+                          callbacks=[timer])
+    trainer.train()
+    return timer.seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2_135m")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-new", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--lr", type=float, default=1e-6)
+    parser.add_argument("--no-trl", action="store_true", help="time rft alone")
+    parser.add_argument("--out", default=None, help="scratch directory (default: a temporary one)")
+    args = parser.parse_args()
+    if args.steps < 2:
+        sys.exit("--steps: at least 2 (the first step is left out)")
+    out = args.out or tempfile.mkdtemp(prefix="rft-bench-grpo-")
+    os.makedirs(out, exist_ok=True)
+    model_dir = resolve_model(args.model, out)
+    tasks_path = os.path.join(out, "tasks.jsonl")
+    tasks = write_tasks(tasks_path, args.prompts * args.steps)
+
+    rows = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
+    print(f"{'rft step':>8} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'other':>8}")
+    for i, row in enumerate(rows, start=2):
+        print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in ("step_s", "rollout_s", "train_s", "sync_s", "other_s")))
+    result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new,
+              **{f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]}}
+    trl = None if args.no_trl else trl_steps(model_dir, tasks, args, os.path.join(out, "trl"))
+    if trl is None and not args.no_trl:
+        print("TRL is not importable here: `pip install trl datasets` next to rft to compare", flush=True)
+    if trl is not None:
+        print("trl steps (s):", " ".join(f"{s:.2f}" for s in trl), flush=True)
+        result["trl_step_s"] = statistics.median(trl[1:])
+        result["rft_over_trl"] = result["rft_step_s"] / result["trl_step_s"]
+        print(f"rft {result['rft_step_s']:.2f} s per step, TRL {result['trl_step_s']:.2f} s: "
+              f"rft takes {result['rft_over_trl']:.2f}x TRL's time", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

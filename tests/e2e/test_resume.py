@@ -14,7 +14,7 @@ import time
 import pytest
 
 from rft.buffer.shards import ExperienceBuffer
-from tests.e2e.helpers import REPO, launch, tensorboard_scalars
+from tests.e2e.helpers import REPO, launch, leftovers, tensorboard_scalars
 
 SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
@@ -44,10 +44,15 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
         os.killpg(first.pid, signal.SIGKILL)  # launcher, its submitit controller, both ranks
         first.wait()
     for pid_file in (run_dir / "pids").glob("rank*.pid"):
-        try:
-            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+        try:  # each rank leads a process group with its vLLM engine in it: a node failure ends both
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
         except ProcessLookupError:
             pass
+    for _ in range(50):  # SIGKILLed processes take a moment to go
+        if not leftovers(run_dir, (0, 1)):
+            break
+        time.sleep(0.2)
+    assert not leftovers(run_dir, (0, 1))
     buffer = ExperienceBuffer(str(run_dir / "buffer"))
     written_after_checkpoint = [n for n in os.listdir(buffer.root) if n.startswith("step")
                                 and int(n[4:12]) >= explorer_saved]

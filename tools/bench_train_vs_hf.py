@@ -11,7 +11,9 @@ GRPO preset (forward, logprobs and entropy, clipped loss, backward, AdamW), `--m
 per microbatch, or rows packed up to `--budget` tokens (trainer.max_tokens_per_microbatch). HF:
 `AutoModelForCausalLM` (its default attention), the same rows right-padded in microbatches of
 `--micro-batch` rows, log-softmax of the response tokens, token-mean loss, backward, AdamW. Both in fp32 from the same weights; one
-warm-up step then `--repeats` timed steps each; tokens/s counts real (unpadded) tokens.
+warm-up step then `--repeats` timed steps each, taking turns; tokens/s counts real (unpadded)
+tokens. rft is also timed with its logits at every position (`rft_every_position`), as before they
+were restricted to the response targets.
 `--profile` prints the ops rft's step spends its time in (torch.profiler, self CPU time).
 The last line is one JSON object.
 """
@@ -49,15 +51,33 @@ def grpo_rows(tokenizer, prompts: int, samples: int, max_new: int, seed: int = 0
     return prompt_ids, response_ids
 
 
-def timed(step, repeats: int) -> float:
-    """Median seconds of `step()` after one warm-up call."""
-    step()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def timed(steps: dict, repeats: int) -> dict[str, float]:
+    """Median seconds of each step function, after one warm-up call each. The steps take turns
+    (a, b, a, b, ...): a shared machine's speed drifts by more than the differences measured."""
+    for step in steps.values():
         step()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for _ in range(repeats):
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def every_position(step):
+    """`step` with the policy's logits at every position (as before they were restricted to the
+    response targets): what that restriction saves."""
+    from rft.trainer.pipeline import LogprobsHead
+
+    def run():
+        LogprobsHead.response_only = False
+        try:
+            return step()
+        finally:
+            LogprobsHead.response_only = True
+
+    return run
 
 
 def hf_step_fn(model_dir: str, prompts, responses, micro_batch: int, pad_id: int):
@@ -145,20 +165,22 @@ def main() -> None:
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     prompts, responses = grpo_rows(tokenizer, args.prompts, args.samples, args.max_new)
     tokens = sum(len(p) + len(r) for p, r in zip(prompts, responses))
-    seconds = {}
-    for name, build in (("hf", hf_step_fn), ("rft", rft_step_fn)):
-        step = build(model_dir, prompts, responses, args.micro_batch, pad_id,
-                     **({"budget": args.budget} if name == "rft" else {}))
-        seconds[name] = timed(step, args.repeats)
-        print(f"{name:4s} {seconds[name]:7.2f} s/step  {tokens / seconds[name]:8.1f} tokens/s", flush=True)
-        if args.profile and name == "rft":
-            profile(step)
+    rft_step = rft_step_fn(model_dir, prompts, responses, args.micro_batch, pad_id, args.budget)
+    steps = {"hf": hf_step_fn(model_dir, prompts, responses, args.micro_batch, pad_id), "rft": rft_step,
+             "rft_every_position": every_position(rft_step)}
+    seconds = timed(steps, args.repeats)
+    for name, s in seconds.items():
+        print(f"{name:18s} {s:7.2f} s/step  {tokens / s:8.1f} tokens/s", flush=True)
+    if args.profile:
+        profile(rft_step)
     dist.destroy_process_group()
     print(json.dumps({
         "model": args.model, "rows": len(prompts), "tokens": tokens, "micro_batch": args.micro_batch,
         "budget": args.budget, "threads": torch.get_num_threads(), "hf_seconds": seconds["hf"], "rft_seconds": seconds["rft"],
         "hf_tokens_per_s": tokens / seconds["hf"], "rft_tokens_per_s": tokens / seconds["rft"],
-        "rft_over_hf": seconds["hf"] / seconds["rft"]}))
+        "rft_every_position_seconds": seconds["rft_every_position"],
+        "rft_over_hf": seconds["hf"] / seconds["rft"],
+        "rft_every_position_over_hf": seconds["hf"] / seconds["rft_every_position"]}))
 
 
 if __name__ == "__main__":

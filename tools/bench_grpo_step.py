@@ -35,6 +35,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch  # noqa: E402
+
 from bench_weight_sync import resolve_model  # noqa: E402
 
 
@@ -110,6 +112,9 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
     timer = StepTimer()
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_sum, args=config, train_dataset=dataset,
                           callbacks=[timer])
+    # on CPU, TRL's run was seen on one core (top: 100%) where rft's ranks use every core
+    torch.set_num_threads(os.cpu_count() or 1)
+    print(f"TRL: {torch.get_num_threads()} torch threads", flush=True)
     trainer.train()
     return timer.seconds
 

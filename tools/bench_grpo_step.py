@@ -10,7 +10,7 @@ generate + reward + train + weight sync into the generator.
 
 rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM rank, synchronous),
 a GRPO stage of `--steps` steps; each step's split into rollout (generation and reward), train,
-sync (the trainer's send and vLLM's load) and other comes from the ranks' metrics, as in
+sync (the trainer's send and vLLM's load), buffer I/O and other comes from the ranks' metrics, as in
 tools/bench_quickstart.py. TRL, when `import trl` works: `GRPOTrainer` with its default HF
 generation (`use_vllm=False`) on the same prompts, group size, lengths, learning rate and loss
 (token-mean, no KL), every prompt of a step in one generation batch and one optimizer step, timed
@@ -37,6 +37,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench_quickstart import step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
 
@@ -54,8 +55,6 @@ def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
 
 def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, float]]:
     """Run the GRPO stage through the launcher; each step's time split, from the ranks' metrics."""
-    from rft.monitor import read_jsonl
-
     cmd = [sys.executable, "-m", "rft.launch", "cluster=local", "model=smollm2_135m", f"model.path={model_dir}",
            f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", "algorithm.reward=exact_match",
            f"algorithm.group_size={args.samples}", f"algorithm.lr={args.lr}", "algorithm.kl_coef=0.0",
@@ -64,19 +63,7 @@ def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, floa
            "monitor.eval_interval=0", "monitor.progress=false"]
     print("rft:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    trainer = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
-               if "timing/step_s" in r}
-    rollout: dict[int, dict] = {}
-    for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl")):
-        rollout.setdefault(r["step"], {}).update(r)
-    rows = []
-    for step in sorted(trainer):
-        t, r = trainer[step], rollout[step]
-        row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"], "train_s": t["timing/train_s"],
-               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"]}
-        row["other_s"] = row["step_s"] - row["rollout_s"] - row["train_s"] - row["sync_s"]
-        rows.append(row)
-    return rows
+    return [row for _, row in step_splits(out)]
 
 
 def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> list[float] | None:
@@ -139,9 +126,10 @@ def main() -> None:
     tasks = write_tasks(tasks_path, args.prompts * args.steps)
 
     rows = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
-    print(f"{'rft step':>8} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'other':>8}")
+    columns = ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")
+    print(f"{'rft step':>8} " + " ".join(f"{k[:-2]:>8}" for k in columns))
     for i, row in enumerate(rows, start=2):
-        print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in ("step_s", "rollout_s", "train_s", "sync_s", "other_s")))
+        print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in columns))
     result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new,
               **{f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]}}
     trl = None if args.no_trl else trl_steps(model_dir, tasks, args, os.path.join(out, "trl"))

@@ -26,6 +26,28 @@ sys.path.insert(0, REPO)
 from rft.monitor import read_jsonl  # noqa: E402
 
 
+def step_splits(run_dir: str, stage: str | None = None) -> list[tuple[int, dict[str, float]]]:
+    """(step, its time split) for each RL step of a finished run (of `stage` only, if given), from
+    the trainer's and the rollout rank's metrics: step_s, rollout_s, train_s, sync_s (the
+    trainer's send plus what the rollout does after the last bucket lands), buffer_s (explorer
+    write, trainer read + commit) and other_s, the rest."""
+    trainer = {r["step"]: r for r in read_jsonl(os.path.join(run_dir, "metrics", "trainer0.jsonl"))
+               if "timing/step_s" in r and stage in (None, r["stage"])}
+    rollout: dict[int, dict] = {}
+    for r in read_jsonl(os.path.join(run_dir, "metrics", "rollout1.jsonl")):
+        if stage in (None, r["stage"]):
+            rollout.setdefault(r["step"], {}).update(r)
+    splits = []
+    for step in sorted(trainer):
+        t, r = trainer[step], rollout[step]
+        row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"], "train_s": t["timing/train_s"],
+               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"],
+               "buffer_s": t["timing/buffer_read_s"] + r["timing/buffer_write_s"]}
+        row["other_s"] = row["step_s"] - sum(v for k, v in row.items() if k != "step_s")
+        splits.append((step, row))
+    return splits
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=800)
@@ -38,26 +60,12 @@ def main() -> None:
            f"stages.0.trainer.max_steps={args.sft_steps}", f"stages.1.trainer.max_steps={args.grpo_steps}"]
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
-    trainer = {r["step"]: r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
-               if r["stage"] == "grpo"}
-    rollout: dict[int, dict] = {}
-    for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl")):
-        if r["stage"] == "grpo":
-            rollout.setdefault(r["step"], {}).update(r)
-    steps = sorted(trainer)[1:]
-    rows = []
+    splits = step_splits(out, stage="grpo")[1:]
     print(f"{'step':>6} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'buffer':>8} {'other':>8}")
-    for step in steps:
-        t, r = trainer[step], rollout[step]
-        row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"],
-               "train_s": t["timing/train_s"],
-               # the trainer's send plus what the rollout does after the last bucket lands
-               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"],
-               "buffer_s": t["timing/buffer_read_s"] + r["timing/buffer_write_s"]}
-        row["other_s"] = row["step_s"] - sum(v for k, v in row.items() if k != "step_s")
-        rows.append(row)
+    for step, row in splits:
         print(f"{step:>6} " + " ".join(f"{row[k]:>8.3f}" for k in
                                        ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")))
+    rows = [row for _, row in splits]
     means = {k: sum(row[k] for row in rows) / len(rows) for k in rows[0]}
     print(f"other_s is {100 * means['other_s'] / means['step_s']:.1f}% of step_s "
           f"over {len(rows)} GRPO steps (run dir {out})")

@@ -19,10 +19,13 @@ CPU, where those assert CUDA tensors, the same steps in plain torch (rft/trainer
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from rft.config import LR_DECAYS
 
 FP16_INITIAL_SCALE = 2.0 ** 16  # torch's GradScaler default (Megatron's 2**32 wastes ~16 halvings)
 FP16_GROWTH_INTERVAL = 1000  # steps without an overflow before the scale doubles (Megatron, torch)
@@ -98,12 +101,16 @@ class LossScale:
             self.scale, self.good_steps = self.scale * 2, 0
 
 
-class WarmupSchedule:
-    """Linear learning-rate warm-up to `lr` over `warmup_steps` optimizer steps, then constant;
-    works on either optimizer (torch's LR schedulers accept only torch optimizers)."""
+class LRSchedule:
+    """Linear learning-rate warm-up to `lr` over `warmup_steps` trainer steps, then `decay` from `lr`
+    to `min_lr_ratio * lr` at the stage's last step (`total_steps`): constant, linear or cosine.
+    Works on either optimizer (torch's LR schedulers accept only torch optimizers)."""
 
-    def __init__(self, optimizer: TrainerOptimizer, lr: float, warmup_steps: int):
+    def __init__(self, optimizer: TrainerOptimizer, lr: float, warmup_steps: int, decay: str = "constant",
+                 total_steps: int = 0, min_lr_ratio: float = 0.0):
+        assert decay in LR_DECAYS, decay
         self.optimizer, self.lr, self.warmup = optimizer, lr, max(warmup_steps, 1)
+        self.decay, self.total, self.min_ratio = decay, total_steps, min_lr_ratio
         self.steps = 0
         self._apply()
 
@@ -112,7 +119,12 @@ class WarmupSchedule:
             group["lr"] = self.get_last_lr()[0]
 
     def get_last_lr(self) -> list[float]:
-        return [self.lr * min(1.0, (self.steps + 1) / self.warmup)]
+        step = self.steps + 1  # the rate of the coming optimizer step
+        if step < self.warmup or self.decay == "constant":
+            return [self.lr * min(1.0, step / self.warmup)]
+        done = min(1.0, (step - self.warmup) / max(self.total - self.warmup, 1))
+        factor = 1.0 - done if self.decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * done))
+        return [self.lr * (self.min_ratio + (1.0 - self.min_ratio) * factor)]
 
     def step(self) -> None:
         self.steps += 1

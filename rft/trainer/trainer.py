@@ -31,7 +31,7 @@ from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
-from rft.trainer.optimizer import WarmupSchedule, build_optimizer
+from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.train_step import train_step
 from rft.weights.convert import load_hf_weights
@@ -156,7 +156,8 @@ class Learner:
                                                             loss_scale=cfg.trainer.loss_scale,
                                                             distributed=cfg.trainer.distributed_optimizer),
                                restore=stage.resumed)
-        self.scheduler = track("scheduler", WarmupSchedule(self.optimizer, algo.lr, algo.warmup_steps),
+        self.scheduler = track("scheduler", LRSchedule(self.optimizer, algo.lr, algo.warmup_steps, algo.lr_decay,
+                                                       stage.cfg.trainer.max_steps, algo.min_lr_ratio),
                                restore=stage.resumed)
         # PPO's value model, its trunk a copy of the policy at stage start (rft/trainer/critic.py)
         self.critic = None

@@ -66,6 +66,8 @@ def _small_tasksets(tmp_path) -> list[str]:
     ("algorithm.ppo_epochs=0", "algorithm.ppo_epochs"),
     ("algorithm.mini_batch_size=-4", "algorithm.mini_batch_size"),
     ("trainer.loss_scale=0", "trainer.loss_scale"),
+    ("algorithm.lr_decay=exponential", "algorithm.lr_decay"),
+    ("algorithm.min_lr_ratio=1.5", "algorithm.min_lr_ratio"),
 ])
 def test_bad_values_name_the_key(tmp_path, override, key):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",

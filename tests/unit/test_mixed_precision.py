@@ -15,7 +15,7 @@ import torch
 
 from rft.config import TinyModelConfig
 from rft.models.tiny import create_tiny_model
-from rft.trainer.optimizer import LossScale
+from rft.trainer.optimizer import LossScale, LRSchedule
 from tests.unit.one_rank import init_one_rank, run_one_rank
 
 STEPS, LR = 30, 1e-6
@@ -160,3 +160,21 @@ def test_loss_scale_grows_after_an_interval_without_overflow():
     fixed = LossScale(1.0, dynamic=False)
     fixed.update(overflow=True)
     assert fixed.scale == 1.0
+
+
+@pytest.mark.parametrize("decay, middle", [("constant", 1.0), ("linear", 0.55), ("cosine", 0.55)])
+def test_lr_warms_up_then_decays_to_its_floor_at_the_stages_last_step(decay, middle):
+    param = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([param], lr=0.0)
+    schedule = LRSchedule(optimizer, lr=2.0, warmup_steps=4, decay=decay, total_steps=24, min_lr_ratio=0.1)
+    rates = []
+    for _ in range(24):  # the rate each of the stage's 24 optimizer steps takes
+        rates.append(optimizer.param_groups[0]["lr"])
+        schedule.step()
+    assert rates[:4] == [0.5, 1.0, 1.5, 2.0]  # warm-up
+    assert rates[13] == pytest.approx(2.0 * middle)  # half way from the end of warm-up (step 4) to the last (24)
+    assert rates[-1] == pytest.approx(2.0 if decay == "constant" else 0.2)
+    assert all(a >= b for a, b in zip(rates[3:], rates[4:]))  # never rises after warm-up
+    resumed = LRSchedule(optimizer, lr=2.0, warmup_steps=4, decay=decay, total_steps=24, min_lr_ratio=0.1)
+    resumed.load_state_dict({"steps": 13})
+    assert optimizer.param_groups[0]["lr"] == rates[13]  # a resumed stage goes on from its step

@@ -30,13 +30,13 @@ def gsm8k_dir() -> str:
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory) -> tuple[str, str]:
     """The quickstart with a shortened GRPO stage, on this machine: (run dir, launcher stdout). It
-    exports the SFT'd model at the end of SFT (`exported_sft_model`), so that tests of GRPO variants
-    (LoRA, two engines on Slurm) need no 1500-step warm-up of their own."""
+    exports its model half way through SFT and at its end (`exported_sft_model`), so that tests of
+    GRPO variants (LoRA, two engines on Slurm, the presets) need no SFT warm-up of their own."""
     run_dir = str(tmp_path_factory.mktemp("quickstart"))
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
                     f"stages.0.trainer.max_steps={QUICKSTART_SFT_STEPS}",
                     f"stages.1.trainer.max_steps={QUICKSTART_GRPO_STEPS}",
-                    f"trainer.save_interval={QUICKSTART_SFT_STEPS}", "trainer.save_hf=true")
+                    f"trainer.save_interval={QUICKSTART_SFT_STEPS // 2}", "trainer.save_hf=true")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return run_dir, result.stdout
 

@@ -19,7 +19,7 @@ def test_quickstart_with_two_engines_runs_and_learns_on_slurm(slurm, exported_sf
     import time
 
     run_dir = tmp_path / "run"
-    # the warm-up itself is not rerun here: 1500 SFT steps beside two idle engines on 2 cores took
+    # the warm-up itself is not rerun here: its SFT steps beside two idle engines on 2 cores took
     # 10 to over 20 minutes, most of CI's budget
     result = launch("+experiment=quickstart", "cluster=slurm", "cluster.wait=true", f"run.output_dir={run_dir}",
                     "cluster.rollout_ranks=2", "model.tiny=null", f"model.path={exported_sft_model}",

@@ -163,9 +163,18 @@ RUN_AGENT = textwrap.dedent("""
         httpx.post(url.removesuffix("/v1") + f"/rft/v1/sessions/{name}/reward", json={"reward": reward},
                    headers={"Authorization": f"Bearer {token}"}).raise_for_status()
 
+    def trainer_step():
+        while True:
+            try:
+                return json.load(open(run_dir + "/progress.json"))["step"]
+            except ValueError:  # read while it was being written
+                time.sleep(0.05)
+
     session("a", 1.0)
     session("b", 0.0)
-    time.sleep(4)  # several training steps (and weight syncs) pass
+    after_b = trainer_step()
+    while trainer_step() < after_b + 3:  # a few training steps (and weight syncs) pass; a fixed sleep
+        time.sleep(0.05)                 # outlasted the whole run on a fast machine
     session("c", 1.0)
     session("d", 0.0)
     print("agent done")

@@ -160,6 +160,9 @@ def _reprocess_tied_layers(model) -> None:
 
     The layerwise reload re-processes only layers that received tensors; a tied lm_head receives
     none (its weight is embed_tokens'), so on CPU its packed GEMM copy would keep the old weights.
+    The first module of a group in `model.modules()` order is the one the tensor was loaded into
+    (named_parameters names a shared weight after it, in the same order), already re-processed:
+    only the others are (on CPU each is a repacking of the vocabulary x hidden matrix).
     """
     import torch
 
@@ -170,9 +173,8 @@ def _reprocess_tied_layers(model) -> None:
                 hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
             sharing.setdefault(weight.data_ptr(), []).append(module)
     for modules in sharing.values():
-        if len(modules) > 1:
-            for module in modules:
-                module.quant_method.process_weights_after_loading(module)
+        for module in modules[1:]:
+            module.quant_method.process_weights_after_loading(module)
 
 
 class RolloutEngine:

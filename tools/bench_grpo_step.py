@@ -1,7 +1,7 @@
 """Seconds per GRPO step of rft against TRL's GRPOTrainer, on the same workload in the same run.
 
     python tools/bench_grpo_step.py [--model smollm2_135m|PATH] [--prompts 8] [--samples 4]
-        [--max-new 64] [--steps 6] [--lr 1e-6] [--no-trl] [--out DIR]
+        [--max-new 64] [--steps 6] [--lr 1e-6] [--no-trl | --no-rft] [--out DIR] [rft overrides ...]
 
 The workload: an instruct model in fp32 (default SmolLM2-135M-Instruct, after
 `python tools/prepare_smollm2.py`), `--prompts` "a+b=" prompts per step with `--samples` samples
@@ -9,11 +9,13 @@ each (the GRPO group), at most `--max-new` new tokens, exact-match reward on the
 generate + reward + train + weight sync into the generator.
 
 rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM rank, synchronous),
-a GRPO stage of `--steps` steps; each step's split into rollout (generation and reward), train,
+a GRPO stage of `--steps` steps (trailing arguments are further launcher overrides, e.g.
+`sync.offset=1 trainer.threads=1`); each step's split into rollout (generation and reward), train,
 sync (the trainer's send and vLLM's load), buffer I/O and other comes from the ranks' metrics, as in
 tools/bench_quickstart.py. TRL, when `import trl` works: `GRPOTrainer` with its default HF
 generation (`use_vllm=False`) on the same prompts, group size, lengths, learning rate and loss
-(token-mean, no KL), every prompt of a step in one generation batch and one optimizer step, timed
+(token-mean, no KL), fp32 without gradient checkpointing (TRL 1.x defaults to bf16 and recompute),
+every prompt of a step in one generation batch and one optimizer step, timed
 per step by a trainer callback. TRL is not one of rft's dependencies; to compare, install it next
 to rft: `pip install trl datasets`. The first step of each is left out (start-up); the medians are
 compared. The last line is one JSON object.
@@ -40,6 +42,8 @@ import torch  # noqa: E402
 from bench_quickstart import step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
+from rft.monitor import read_jsonl  # noqa: E402
+
 
 def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
     """`count` "a+b=" tasks as a jsonl taskset (question, answer)."""
@@ -60,9 +64,12 @@ def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, floa
            f"algorithm.group_size={args.samples}", f"algorithm.lr={args.lr}", "algorithm.kl_coef=0.0",
            f"rollout.tasks_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new}",
            f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.prompts * args.samples}",
-           "monitor.eval_interval=0", "monitor.progress=false"]
+           "monitor.eval_interval=0", "monitor.progress=false", *args.overrides]
     print("rft:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    lengths = [r["response_length/mean"] for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
+               if "response_length/mean" in r]
+    print("rft response tokens per sample, by step:", " ".join(f"{n:.1f}" for n in lengths), flush=True)
     return [row for _, row in step_splits(out)]
 
 
@@ -86,23 +93,31 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
         def on_step_end(self, *_, **__):
             self.seconds.append(time.perf_counter() - self.started)
 
+        def on_log(self, _args, _state, _control, logs=None, **__):
+            if logs and "completions/mean_length" in logs:
+                lengths.append(logs["completions/mean_length"])
+
     def exact_sum(completions, answer, **_):
         return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"]}
                                  for t in tasks])
     batch = args.prompts * args.samples
+    # fp32 without recompute, as rft trains here: TRL 1.x's GRPOConfig defaults to bf16 autocast and
+    # gradient checkpointing (transformers' TrainingArguments to neither)
     config = GRPOConfig(output_dir=out, use_cpu=True, per_device_train_batch_size=batch,
                         num_generations=args.samples, max_completion_length=args.max_new,
                         learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=args.steps,
+                        bf16=False, fp16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
                         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
-    timer = StepTimer()
+    timer, lengths = StepTimer(), []
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_sum, args=config, train_dataset=dataset,
                           callbacks=[timer])
     # on CPU, TRL's run was seen on one core (top: 100%) where rft's ranks use every core
     torch.set_num_threads(os.cpu_count() or 1)
     print(f"TRL: {torch.get_num_threads()} torch threads", flush=True)
     trainer.train()
+    print("trl response tokens per sample, by step:", " ".join(f"{n:.1f}" for n in lengths), flush=True)
     return timer.seconds
 
 
@@ -115,6 +130,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--no-trl", action="store_true", help="time rft alone")
+    parser.add_argument("--no-rft", action="store_true", help="time TRL alone")
+    parser.add_argument("overrides", nargs="*", help="launcher overrides for rft's run, e.g. sync.offset=1")
     parser.add_argument("--out", default=None, help="scratch directory (default: a temporary one)")
     args = parser.parse_args()
     if args.steps < 2:
@@ -125,19 +142,21 @@ def main() -> None:
     tasks_path = os.path.join(out, "tasks.jsonl")
     tasks = write_tasks(tasks_path, args.prompts * args.steps)
 
-    rows = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
-    columns = ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")
-    print(f"{'rft step':>8} " + " ".join(f"{k[:-2]:>8}" for k in columns))
-    for i, row in enumerate(rows, start=2):
-        print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in columns))
-    result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new,
-              **{f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]}}
+    result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new}
+    if not args.no_rft:
+        rows = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
+        columns = ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")
+        print(f"{'rft step':>8} " + " ".join(f"{k[:-2]:>8}" for k in columns))
+        for i, row in enumerate(rows, start=2):
+            print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in columns))
+        result.update({f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]})
     trl = None if args.no_trl else trl_steps(model_dir, tasks, args, os.path.join(out, "trl"))
     if trl is None and not args.no_trl:
         print("TRL is not importable here: `pip install trl datasets` next to rft to compare", flush=True)
     if trl is not None:
         print("trl steps (s):", " ".join(f"{s:.2f}" for s in trl), flush=True)
         result["trl_step_s"] = statistics.median(trl[1:])
+    if trl is not None and not args.no_rft:
         result["rft_over_trl"] = result["rft_step_s"] / result["trl_step_s"]
         print(f"rft {result['rft_step_s']:.2f} s per step, TRL {result['trl_step_s']:.2f} s: "
               f"rft takes {result['rft_over_trl']:.2f}x TRL's time", flush=True)

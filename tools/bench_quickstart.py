@@ -40,8 +40,9 @@ def step_splits(run_dir: str, stage: str | None = None) -> list[tuple[int, dict[
     splits = []
     for step in sorted(trainer):
         t, r = trainer[step], rollout[step]
+        # with sync.offset > 0 a step may send or load no weights (none published at that point)
         row = {"step_s": t["timing/step_s"], "rollout_s": r["timing/rollout_s"], "train_s": t["timing/train_s"],
-               "sync_s": t["timing/sync_s"] + r["timing/weight_apply_s"],
+               "sync_s": t.get("timing/sync_s", 0.0) + r.get("timing/weight_apply_s", 0.0),
                "buffer_s": t["timing/buffer_read_s"] + r["timing/buffer_write_s"]}
         row["other_s"] = row["step_s"] - sum(v for k, v in row.items() if k != "step_s")
         splits.append((step, row))

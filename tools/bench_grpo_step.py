@@ -121,12 +121,17 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
     return timer.seconds
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The workload's flags (issue 15's by default), shared with tools/bench_train_vs_hf.py."""
     parser.add_argument("--model", default="smollm2_135m")
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--max-new", type=int, default=64)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--no-trl", action="store_true", help="time rft alone")

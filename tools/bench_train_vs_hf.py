@@ -35,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
+from bench_grpo_step import add_workload_args  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
 
@@ -139,10 +140,7 @@ def profile(step, rows: int = 18) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2_135m")
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--samples", type=int, default=4)
-    parser.add_argument("--max-new", type=int, default=64)
+    add_workload_args(parser)
     parser.add_argument("--micro-batch", type=int, default=32)
     parser.add_argument("--budget", type=int, default=0, help="rft: tokens per packed microbatch (0: padded)")
     parser.add_argument("--repeats", type=int, default=3)

@@ -119,7 +119,7 @@ class LRSchedule:
             group["lr"] = self.get_last_lr()[0]
 
     def get_last_lr(self) -> list[float]:
-        step = self.steps + 1  # the rate of the coming optimizer step
+        step = self.steps + 1  # the rate of the coming trainer step (all its optimizer steps)
         if step < self.warmup or self.decay == "constant":
             return [self.lr * min(1.0, step / self.warmup)]
         done = min(1.0, (step - self.warmup) / max(self.total - self.warmup, 1))

@@ -115,7 +115,7 @@ class AlgorithmConfig:
     weight_decay: float = 0.0  # AdamW weight decay
     grad_clip: float = 1.0  # max global grad norm (0: no clipping)
     warmup_steps: int = 0  # linear LR warm-up steps
-    lr_decay: str = "constant"  # after warm-up: constant | linear | cosine, to min_lr_ratio x lr at the stage's last step
+    lr_decay: str = "constant"  # after warm-up: constant | linear | cosine (to min_lr_ratio x lr at the stage's end)
     min_lr_ratio: float = 0.0  # lr_decay linear/cosine: the last step's lr as a share of lr
 
 
@@ -457,7 +457,7 @@ def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
     if algo.lr_decay not in LR_DECAYS:
         config_error(f"{prefix}algorithm.lr_decay", algo.lr_decay, f"use one of {', '.join(LR_DECAYS)}")
     if not 0.0 <= algo.min_lr_ratio <= 1.0:
-        config_error(f"{prefix}algorithm.min_lr_ratio", algo.min_lr_ratio, "use a share of lr between 0 and 1, e.g. 0.1")
+        config_error(f"{prefix}algorithm.min_lr_ratio", algo.min_lr_ratio, "use a share of lr from 0 to 1, e.g. 0.1")
     if algo.kl_mode not in ("loss", "reward"):
         config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode, "use loss or reward")
     if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo"):

@@ -1,6 +1,7 @@
 """Each RL preset trains for real on the tiny quickstart model: 3 steps of the preset from the
-quickstart's SFT'd model (`exported_sft_model`, so that some groups have reward variance). Run as one local sweep (`-m`), which also
-exercises sweeps on cluster=local: runs one after another, one output dir each."""
+quickstart's SFT'd model (`exported_sft_model`, so that some groups have reward variance). Run as
+one local sweep (`-m`), which also exercises sweeps on cluster=local: runs one after another, one
+output dir each."""
 
 import json
 import math

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
 
-from bench_quickstart import step_splits  # noqa: E402
+from bench_quickstart import print_splits, step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
 from rft.monitor import read_jsonl  # noqa: E402
@@ -57,7 +57,7 @@ def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
-def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, float]]:
+def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[tuple[int, dict[str, float]]]:
     """Run the GRPO stage through the launcher; each step's time split, from the ranks' metrics."""
     cmd = [sys.executable, "-m", "rft.launch", "cluster=local", "model=smollm2_135m", f"model.path={model_dir}",
            f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", "algorithm.reward=exact_match",
@@ -70,7 +70,7 @@ def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[dict[str, floa
     lengths = [r["response_length/mean"] for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
                if "response_length/mean" in r]
     print("rft response tokens per sample, by step:", " ".join(f"{n:.1f}" for n in lengths), flush=True)
-    return [row for _, row in step_splits(out)]
+    return step_splits(out)
 
 
 def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> list[float] | None:
@@ -149,11 +149,9 @@ def main() -> None:
 
     result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new}
     if not args.no_rft:
-        rows = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
-        columns = ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")
-        print(f"{'rft step':>8} " + " ".join(f"{k[:-2]:>8}" for k in columns))
-        for i, row in enumerate(rows, start=2):
-            print(f"{i:>8} " + " ".join(f"{row[k]:>8.2f}" for k in columns))
+        splits = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
+        print_splits(splits, label="rft step", digits=2)
+        rows = [row for _, row in splits]
         result.update({f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]})
     trl = None if args.no_trl else trl_steps(model_dir, tasks, args, os.path.join(out, "trl"))
     if trl is None and not args.no_trl:

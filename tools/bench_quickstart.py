@@ -49,6 +49,14 @@ def step_splits(run_dir: str, stage: str | None = None) -> list[tuple[int, dict[
     return splits
 
 
+def print_splits(splits: list[tuple[int, dict[str, float]]], label: str = "step", digits: int = 3) -> None:
+    """One row per step of `step_splits`, a column per part of the step."""
+    columns = ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")
+    print(f"{label:>8} " + " ".join(f"{k[:-2]:>8}" for k in columns))
+    for step, row in splits:
+        print(f"{step:>8} " + " ".join(f"{row[k]:>8.{digits}f}" for k in columns), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sft-steps", type=int, default=800)
@@ -62,10 +70,7 @@ def main() -> None:
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True)
     splits = step_splits(out, stage="grpo")[1:]
-    print(f"{'step':>6} {'step_s':>8} {'rollout':>8} {'train':>8} {'sync':>8} {'buffer':>8} {'other':>8}")
-    for step, row in splits:
-        print(f"{step:>6} " + " ".join(f"{row[k]:>8.3f}" for k in
-                                       ("step_s", "rollout_s", "train_s", "sync_s", "buffer_s", "other_s")))
+    print_splits(splits)
     rows = [row for _, row in splits]
     means = {k: sum(row[k] for row in rows) / len(rows) for k in rows[0]}
     print(f"other_s is {100 * means['other_s'] / means['step_s']:.1f}% of step_s "

@@ -3,9 +3,9 @@
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from rft.cluster import free_port  # noqa: F401  (re-exported for the tests here)
+from tests.ranks import start_ranks
 
 VOCAB = 97
 
@@ -58,4 +58,4 @@ def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:
 
 
 def spawn(worker, world: int, *args) -> None:
-    mp.start_processes(worker, args=(world, *args), nprocs=world, start_method="spawn", join=True)
+    start_ranks(worker, world, world, *args)

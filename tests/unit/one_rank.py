@@ -1,13 +1,13 @@
 """One Megatron trainer rank on a group of one (gloo; NCCL on a GPU), in a spawned process: Megatron's parallel state
-is global, so it stays out of pytest's process. A worker is `worker(rank, port, model_dir, out)`,
+is global, so it stays out of pytest's process (tests/ranks.py). A worker is `worker(rank, port, model_dir, out)`,
 starts with `init_one_rank(port)` and saves its results to `out`."""
 
 import os
 
 import torch
-import torch.multiprocessing as mp
 
 from rft.cluster import free_port
+from tests.ranks import start_ranks
 
 
 def init_one_rank(port: int) -> None:
@@ -25,5 +25,5 @@ def init_one_rank(port: int) -> None:
 def run_one_rank(worker, model_dir: str, tmp_dir: str) -> dict:
     """Run `worker` on one spawned rank; what it saved."""
     out = os.path.join(tmp_dir, "out.pt")
-    mp.start_processes(worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
+    start_ranks(worker, 1, free_port(), model_dir, out)
     return torch.load(out)

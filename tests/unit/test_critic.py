@@ -9,11 +9,10 @@ import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from rft.cluster import free_port
 from rft.config import AlgorithmConfig, TinyModelConfig
 from rft.models.tiny import create_tiny_model
+from tests.unit.one_rank import run_one_rank
 from tests.unit.test_algorithms_advantages import ref_gae
 
 # rows of varied lengths (row 1: a length-1 response), two microbatches of two rows each
@@ -106,9 +105,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("critic")
     model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    out = str(tmp / "out.pt")
-    mp.start_processes(_worker, args=(free_port(), model_dir, out), nprocs=1, start_method="spawn", join=True)
-    return torch.load(out)
+    return run_one_rank(_worker, model_dir, str(tmp))
 
 
 def test_one_value_per_response_token_aligned_and_independent_of_padding(run):

@@ -1,0 +1,22 @@
+"""Start trainer ranks for a test in spawned processes (Megatron's parallel state is global, so it
+stays out of pytest's process), and end them as a job's ranks end (rft/runtime/supervisor.py): with
+os._exit once the worker returned. A normal interpreter exit after a gloo group tears down gloo's
+C++ threads racily: about 1 run in 12 aborted with "terminate called without an active exception"
+(SIGABRT) after the worker had finished and saved its results."""
+
+import os
+import sys
+
+import torch.multiprocessing as mp
+
+
+def start_ranks(worker, nprocs: int, *args) -> None:
+    """Run `worker(rank, *args)` on ranks 0..nprocs-1; raises if one fails."""
+    mp.start_processes(_run_then_exit, args=(worker, *args), nprocs=nprocs, start_method="spawn", join=True)
+
+
+def _run_then_exit(rank: int, worker, *args) -> None:
+    worker(rank, *args)  # an exception leaves through torch's wrapper, which reports it to the parent
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -117,6 +117,15 @@ def prune(run_dir: str, ranks: Sequence[int], keep: int) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
+def seed_all(seed: int) -> None:
+    """Seed every global RNG a rank's state holds (`rng_state`): Python's `random` and NumPy's
+    global generator included, which a user's reward or workflow may draw from; unseeded, each
+    launch started them from the OS, and a run and its resumed twin held different states."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 def rng_state() -> dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
     if torch.cuda.is_available():

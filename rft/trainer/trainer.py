@@ -14,12 +14,11 @@ import os
 import time
 from dataclasses import replace
 
-import torch
 
 from rft.buffer.context_fit import ContextFit
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
-from rft.checkpoint import Resume, prune, rng_state, set_rng_state
+from rft.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
 from rft.cluster import RankInfo, engine_leaders, losable_members
 from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs
 from rft.monitor import progress_path, write_json_atomic
@@ -42,7 +41,7 @@ STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is 
 
 def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
     """Train every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
-    torch.manual_seed(cfg.seed)
+    seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)

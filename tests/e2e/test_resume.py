@@ -1,8 +1,16 @@
-"""A run killed without warning (node failure: every process SIGKILLed) and launched again with the
-same output dir resumes from its newest periodic checkpoint and ends as an uninterrupted run would:
-experience written after the checkpoint is set aside and produced again, each shard is consumed
-once, and TensorBoard shows each step once. With `sync.offset` the explorer's checkpoint is ahead of
-the trainer's: the shards between them are kept (returned to the pool if the trainer took them)."""
+"""A run stopped in the middle and launched again with the same output dir ends as the
+uninterrupted run does, bit for bit: the same metrics at every step and the same weights, optimizer
+state and RNG in its final checkpoint. Stopped two ways: killed without warning (node failure: every
+process SIGKILLed; it resumes from its newest periodic checkpoint) and by the time-limit signal
+(SIGUSR2: every rank saves at the same step and stops). Killed, experience written after the
+checkpoint is set aside and produced again, each shard is consumed once, and TensorBoard shows each
+step once. With `sync.offset` the explorer's checkpoint is ahead of the trainer's: the shards
+between them are kept (returned to the pool if the trainer took them).
+
+Nothing had to be pinned for equality on CPU beyond what a run already fixes: the seed, one
+sampling seed per (step, task, sample) that never depends on the engine or on the order requests
+finish (rft/explorer/runner.py), the taskset cursor and every RNG state in the checkpoint, and the
+weights a restarted explorer gets from the trainer's first sync, before its first rollout."""
 
 import json
 import os
@@ -14,18 +22,41 @@ import time
 import pytest
 
 from rft.buffer.shards import ExperienceBuffer
-from tests.e2e.helpers import REPO, launch, leftovers, tensorboard_scalars
+from tests.e2e.helpers import REPO, assert_same_run, launch, launch_until_step, leftovers, tensorboard_scalars
 
 SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
+DONE = SFT_STEPS + GRPO_STEPS
+# the final checkpoint's state that must match: the trainer's (rank 0) and the explorer's (rank 1)
+FINAL_STATE = {0: ("model", "optimizer", "scheduler", "rng", "publisher"), 1: ("version", "cursor")}
 
 
-@pytest.mark.parametrize("offset", [0, 2])
-def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, offset):
+def _overrides(run_dir, offset: int) -> list[str]:
+    return ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
+            f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
+            f"stages.1.trainer.max_steps={GRPO_STEPS}", f"sync.offset={offset}"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The run directory of the uninterrupted run, by sync.offset (each made once for the module)."""
+    runs: dict[int, str] = {}
+
+    def run(offset: int) -> str:
+        if offset not in runs:
+            run_dir = tmp_path_factory.mktemp(f"uninterrupted{offset}") / "run"
+            result = launch(*_overrides(run_dir, offset))
+            assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+            runs[offset] = str(run_dir)
+        return runs[offset]
+
+    return run
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, offset, uninterrupted):
     run_dir = tmp_path / "run"
-    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "monitor.progress=false",
-                 f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
-                 f"stages.1.trainer.max_steps={GRPO_STEPS}", f"sync.offset={offset}"]
+    overrides = _overrides(run_dir, offset)
     explorer_saved = CHECKPOINT + offset  # shards [0, explorer_saved) are in the explorer's checkpoint
     first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -79,3 +110,23 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
     assert sorted(s for s, _ in scalars["timing/rollout_s"]) == list(range(SFT_STEPS + 1, SFT_STEPS + GRPO_STEPS + 1))
     trainer_log = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
     assert [r["step"] for r in trainer_log] == list(range(1, SFT_STEPS + GRPO_STEPS + 1))
+    assert_same_run(uninterrupted(offset), run_dir, DONE, FINAL_STATE)
+
+
+@pytest.mark.parametrize("offset", [0, 1])
+def test_run_stopped_by_the_time_limit_signal_resumes_as_if_never_stopped(tmp_path, offset, uninterrupted):
+    run_dir = tmp_path / "run"
+    launcher = launch_until_step(_overrides(run_dir, offset), run_dir, CHECKPOINT + 2)
+    for pid_file in (run_dir / "pids").glob("rank*.pid"):  # what Slurm sends every task before the limit
+        os.kill(int(pid_file.read_text()), signal.SIGUSR2)
+    out, err = launcher.communicate(timeout=300)
+    # not a Slurm job, so not requeued: it stops, saying how to resume
+    assert launcher.returncode != 0 and "launch again with run.output_dir=" in out + err, out[-3000:] + err[-3000:]
+    stopped_at = max(int(p.name[4:]) for p in (run_dir / "checkpoints").glob("step*"))
+    assert CHECKPOINT + 2 <= stopped_at < DONE
+
+    result = launch(*_overrides(run_dir, offset))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
+    assert_same_run(uninterrupted(offset), run_dir, DONE, FINAL_STATE)

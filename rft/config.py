@@ -8,12 +8,15 @@ the fix.
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, ListConfig, OmegaConf
 
 
 @dataclass
@@ -630,8 +633,26 @@ def _check_bench(cfg: RFTConfig) -> None:
         config_error("data.eval_path", None, "mode=bench evaluates on the eval taskset; set data.eval_path")
 
 
+def _check_finite(node: Any, prefix: str = "") -> None:
+    """No number of the config may be NaN or infinite: NaN passes every `value <= 0` check (all
+    comparisons with it are false), and an infinite rate or size is no setting."""
+    if dataclasses.is_dataclass(node):
+        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
+    elif isinstance(node, Mapping):  # also a stage's overrides, which stay DictConfigs
+        items = node.items()
+    elif isinstance(node, (list, tuple, ListConfig)):
+        items = ((f"[{i}]", v) for i, v in enumerate(node))
+    else:
+        if isinstance(node, float) and not math.isfinite(node):
+            config_error(prefix, node, "set a finite number")
+        return
+    for name, value in items:
+        _check_finite(value, f"{prefix}{name}" if name.startswith("[") or not prefix else f"{prefix}.{name}")
+
+
 def validate(cfg: RFTConfig) -> None:
     """Check values and paths before launch; raise ValueError naming the key and the fix."""
+    _check_finite(cfg)
     if cfg.mode not in ("both", "train", "explore", "serve", "bench"):
         config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO), explore "
                      "(rollouts only), serve (the OpenAI endpoint only) or bench")

@@ -28,12 +28,17 @@ refused with a message rather than misread.
 from __future__ import annotations
 
 import json
+import math
+import numbers
 from dataclasses import dataclass, field, fields
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 SCHEMA_VERSION = 1
 _VERSION_KEY = b"rft.experience_schema"
+_FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32: larger ones become inf
 
 SCHEMA = pa.schema([
     pa.field("token_ids", pa.list_(pa.int32()), nullable=False),
@@ -93,6 +98,13 @@ class Experience:
                              f"(first {self.prompt_length} tokens); only sampled tokens are trained")
         if any(m not in (0, 1) for m in self.loss_mask):
             raise ValueError(f"experience {self.trajectory_id or '?'}: loss_mask holds values other than 0 and 1")
+        # A NaN, infinite or non-numeric reward (an environment's, a workflow's) must fail the task, not
+        # reach the trainer; a finite one beyond float32's range would be stored as inf.
+        for name, values in (("reward", [self.reward] if self.reward is not None else []),
+                             ("step_rewards", self.step_rewards or [])):
+            if not all(isinstance(v, numbers.Real) and math.isfinite(v) and abs(v) <= _FLOAT32_MAX for v in values):
+                raise ValueError(f"experience {self.trajectory_id or '?'}: {name} {values!r:.80} must hold finite "
+                                 "numbers (within float32's range)")
 
     @property
     def response_ids(self) -> list[int]:
@@ -113,8 +125,13 @@ def to_table(experiences: list[Experience]) -> pa.Table:
         for f in fields(Experience):
             columns[f.name].append(getattr(exp, f.name))
     columns["metrics"] = [json.dumps(m, sort_keys=True) for m in columns["metrics"]]
-    return pa.table({name: pa.array(columns[name], type=SCHEMA.field(name).type) for name in SCHEMA.names},
-                    schema=SCHEMA)
+    arrays = {}
+    for name in SCHEMA.names:
+        try:
+            arrays[name] = pa.array(columns[name], type=SCHEMA.field(name).type)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:  # name the field, not pyarrow
+            raise ValueError(f"experience field {name!r} cannot be stored as {SCHEMA.field(name).type}: {e}") from None
+    return pa.table(arrays, schema=SCHEMA)
 
 
 def check_table(table: pa.Table, where: str) -> None:
@@ -127,6 +144,27 @@ def check_table(table: pa.Table, where: str) -> None:
     missing = [name for name in SCHEMA.names if name not in table.column_names]
     if missing:
         raise ValueError(f"{where} lacks experience columns {missing}")
+    # A shard written by other code (or corrupted) with the right version tag must not be misread:
+    # from_table would hand the trainer strings for rewards, or token_ids and masks of other lengths.
+    for want in SCHEMA:
+        column = table.column(want.name)
+        if column.type != want.type:
+            raise ValueError(f"{where}: experience column {want.name!r} has type {column.type}, expected {want.type}")
+        if not want.nullable and column.null_count:
+            raise ValueError(f"{where}: experience column {want.name!r} has {column.null_count} null value(s)")
+    tokens, mask, logprobs = (pc.list_value_length(table.column(name)).to_numpy(zero_copy_only=False)
+                              for name in ("token_ids", "loss_mask", "logprobs"))
+    prompt = table.column("prompt_length").to_numpy()
+    ragged = np.flatnonzero((mask != tokens) | (logprobs != tokens))
+    if ragged.size:
+        row = int(ragged[0])
+        raise ValueError(f"{where}: experience columns 'token_ids' ({tokens[row]}), 'loss_mask' ({mask[row]}) and "
+                         f"'logprobs' ({logprobs[row]}) differ in length in row {row}")
+    outside = np.flatnonzero((prompt < 0) | (prompt > tokens))
+    if outside.size:
+        row = int(outside[0])
+        raise ValueError(f"{where}: experience column 'prompt_length' is {prompt[row]} in row {row}, outside "
+                         f"[0, {tokens[row]}] (len(token_ids))")
 
 
 def from_table(table: pa.Table) -> list[Experience]:

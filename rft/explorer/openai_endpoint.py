@@ -34,6 +34,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from rft.buffer.experience import Experience
+from rft.explorer.rewards import reward_values
 
 SESSION_HEADER, GROUP_HEADER = "x-rft-session", "x-rft-group"
 _CURRENT: contextvars.ContextVar[tuple[str, str] | None] = contextvars.ContextVar("rft_session", default=None)
@@ -249,9 +250,10 @@ class OpenAIEndpoint:
         if request.method != "POST" or len(parts) != 6 or parts[5] != "reward":
             return JSONResponse({"error": "use POST /rft/v1/sessions/{id}/reward"}, status_code=404)
         try:
-            reward = float(json.loads(await request.body())["reward"])
-        except (ValueError, KeyError, TypeError):
-            return JSONResponse({"error": 'the body must be JSON like {"reward": 1.0}'}, status_code=400)
+            reward = reward_values(json.loads(await request.body())["reward"], batch=False, n=1)[0]
+        except (ValueError, KeyError, TypeError) as e:  # NaN and Infinity parse as JSON, and are refused here
+            return JSONResponse({"error": f'the body must be JSON like {{"reward": 1.0}} with a finite number ({e})'},
+                                status_code=400)
         if not self.sessions.reward(parts[4], reward):
             return JSONResponse({"error": f"no call of session {parts[4]!r} was recorded (header "
                                         f"{SESSION_HEADER})"}, status_code=404)

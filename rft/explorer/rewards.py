@@ -35,6 +35,7 @@ import inspect
 import logging
 import math
 import multiprocessing
+import numbers
 import signal
 import threading
 from multiprocessing.connection import Connection
@@ -161,6 +162,34 @@ for _name in ("math_verify.parser", "math_verify.grader"):
     logging.getLogger(_name).addFilter(_DropTimeoutDisabledWarning())
 
 
+_FLOAT32_MAX = 3.4028234663852886e38  # rewards are stored as float32 (rft/buffer/experience.py)
+
+
+def _reward_value(value: Any) -> float:
+    """One reward as a float. A number (Python's, NumPy's, a one-element tensor's `.item()`; a bool
+    counts as 0 or 1), finite and within float32's range, which the buffer stores: `float()` alone
+    took the string "0.5" and turned 1e39 into inf in the shard."""
+    if hasattr(value, "item") and not isinstance(value, numbers.Number):
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        raise ValueError(f"reward returned {value!r:.40} ({type(value).__name__}), which is not a number")
+    value = float(value)
+    if not (math.isfinite(value) and abs(value) <= _FLOAT32_MAX):
+        raise ValueError(f"reward returned {value}, which is not a finite float32 number")
+    return value
+
+
+def reward_values(result: Any, batch: bool, n: int) -> list[float]:
+    """What a reward function returned, checked: one number, or (batch) a sequence of n numbers."""
+    if not batch:
+        return [_reward_value(result)]
+    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
+        raise ValueError(f"batch reward returned {result!r:.40} ({type(result).__name__}), not a list of rewards")
+    if len(result) != n:
+        raise ValueError(f"batch reward returned {len(result)} rewards for {n} trajectories")
+    return [_reward_value(v) for v in result]
+
+
 def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
     """Child process loop: call `fn(*args)` for each request until the parent closes the pipe.
     A request is (args, batch): a batch call returns one reward per sample."""
@@ -175,13 +204,7 @@ def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
             return
         try:
             result = fn(*args)
-            values = [float(v) for v in result] if batch else [float(result)]
-            if batch and len(values) != len(args[0]):
-                raise ValueError(f"batch reward returned {len(values)} rewards for {len(args[0])} trajectories")
-            bad = [v for v in values if not math.isfinite(v)]
-            if bad:
-                raise ValueError(f"reward returned {bad[0]}, which is not a finite number")
-            reply: tuple = ("ok", values)
+            reply: tuple = ("ok", reward_values(result, batch, len(args[0]) if batch else 1))
         except Exception as exc:  # the reward's own bug or bad input: report it, keep serving
             reply = ("error", type(exc).__name__, str(exc))
         conn.send(reply)
@@ -289,10 +312,7 @@ class RewardScorer:
     async def _await(self, pending: Any, n: int) -> list[float]:
         try:
             result = await asyncio.wait_for(pending, self.timeout_s * n)
-            values = [float(v) for v in result] if self.batch else [float(result)]
-            if len(values) != n or not all(math.isfinite(v) for v in values):
-                raise ValueError(f"reward returned {values!r:.80} for {n} trajectories")
-            return values
+            return reward_values(result, self.batch, n)
         except asyncio.TimeoutError:
             return self._timed_out(n)
         except Exception as exc:

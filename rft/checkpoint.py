@@ -1,7 +1,10 @@
 """Run checkpoints: every rank writes its own state file for the same step; a checkpoint is
-complete when all ranks' files exist. A (re)started job resumes from the newest complete one.
+complete when all ranks' files exist at the size they were written. A (re)started job resumes from
+the newest complete one; a file whose bytes then fail their sha256 sets its checkpoint aside
+(`step00000123.corrupt`) and stops the job, so that launching again resumes from the one before.
 
     <run>/checkpoints/step00000123/rank0.pt ... rank<W-1>.pt   (trainer ranks, engine leaders)
+    <run>/checkpoints/step00000123/rank0.pt.sha256.json ...    (each file's size and sha256)
     <run>/checkpoints/requeues.json                            (how often the job requeued itself)
 
 `step00000123` means 123 steps are done and the weight sync of the 123rd is still to come: ranks
@@ -15,6 +18,7 @@ and this needs no extra dependency on CPU; resharding checkpoints would want dis
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -39,17 +43,68 @@ def _rank_file(step_dir: str, rank: int) -> str:
     return os.path.join(step_dir, f"rank{rank}.pt")
 
 
+def _digest_file(rank_file: str) -> str:
+    """The rank file's size and sha256, written before the file itself is renamed into place."""
+    return f"{rank_file}.sha256.json"
+
+
+class _HashingWriter:
+    """A file that hashes what torch.save writes to it: the checksum costs no second read."""
+
+    def __init__(self, f) -> None:
+        self.f, self.sha, self.bytes = f, hashlib.sha256(), 0
+
+    def write(self, data) -> int:
+        self.sha.update(data)
+        self.bytes += len(data)
+        return self.f.write(data)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
 def save_rank_state(run_dir: str, done: int, rank: int, state: dict[str, Any]) -> str:
-    """Write this rank's state for `done` completed steps atomically (temp file + rename)."""
+    """Write this rank's state for `done` completed steps atomically (temp file + rename), with its
+    size and sha256 beside it: a file torn by a failing disk or filesystem is then told apart."""
+    from rft.monitor import write_json_atomic
+
     step_dir = os.path.join(checkpoint_root(run_dir), f"step{done:08d}")
     os.makedirs(step_dir, exist_ok=True)
     final = _rank_file(step_dir, rank)
     tmp = f"{final}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb+") as f:
+    with open(tmp, "wb") as f:
+        writer = _HashingWriter(f)
+        torch.save(state, writer)
+        f.flush()
         os.fsync(f.fileno())
+    write_json_atomic(_digest_file(final), {"bytes": writer.bytes, "sha256": writer.sha.hexdigest()})
     os.replace(tmp, final)
     return final
+
+
+def _intact_size(rank_file: str) -> bool:
+    """The file is there and as long as when it was written (no record: a checkpoint from before
+    records were kept, trusted as it is)."""
+    try:
+        size = os.path.getsize(rank_file)
+        with open(_digest_file(rank_file)) as f:
+            return size == json.load(f)["bytes"]
+    except FileNotFoundError:
+        return os.path.exists(rank_file)
+    except (OSError, ValueError, KeyError, TypeError):  # a torn record
+        return False
+
+
+def _sha256(path: str) -> str:
+    sha = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+class CorruptCheckpointError(RuntimeError):
+    """A rank file's bytes do not match the sha256 recorded when it was written."""
 
 
 def _step_dirs(run_dir: str) -> list[tuple[int, str]]:
@@ -80,7 +135,7 @@ def record_stand_ins(run_dir: str, done: int, stand_ins: dict[int, int]) -> None
 
 def _complete(step_dir: str, ranks: Sequence[int]) -> bool:
     stand_ins = _stand_ins(step_dir)
-    return all(os.path.exists(_rank_file(step_dir, stand_ins.get(r, r))) for r in ranks)
+    return all(_intact_size(_rank_file(step_dir, stand_ins.get(r, r))) for r in ranks)
 
 
 @dataclass(frozen=True)
@@ -94,7 +149,24 @@ class Resume:
         own = _rank_file(self.step_dir, rank)
         if not os.path.exists(own):  # lost before this checkpoint: restart as the engine standing in
             own = _rank_file(self.step_dir, _stand_ins(self.step_dir).get(rank, rank))
-        return torch.load(own, weights_only=False)
+        try:
+            with open(_digest_file(own)) as f:
+                recorded = json.load(f)["sha256"]
+        except FileNotFoundError:
+            recorded = None  # written before checksums were kept
+        if recorded is not None and _sha256(own) != recorded:
+            # Set the checkpoint aside (the rename is atomic, and a name newest_complete skips), so
+            # that launching again resumes from the one before; every rank of this job fails.
+            aside = f"{self.step_dir}.corrupt"
+            try:
+                os.replace(self.step_dir, aside)
+            except OSError:
+                pass  # another rank set it aside first
+            raise CorruptCheckpointError(
+                f"checkpoint file {own} does not match the sha256 recorded when it was written (a disk or "
+                f"filesystem error); the checkpoint is set aside as {aside}: launch again with the same "
+                "run.output_dir to resume from the checkpoint before it")
+        return torch.load(own, weights_only=False)  # a second read, from the page cache: no 2x memory
 
 
 def newest_complete(run_dir: str, ranks: Sequence[int]) -> Resume | None:

@@ -3,10 +3,12 @@ written after the checkpoint a job resumes from."""
 
 import os
 
+import pytest
 import torch
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.checkpoint import newest_complete, prune, record_requeue, requeue_count, save_rank_state
+from rft.checkpoint import (CorruptCheckpointError, newest_complete, prune, record_requeue, requeue_count,
+                            save_rank_state)
 
 
 def test_newest_complete_skips_a_checkpoint_a_rank_did_not_finish(tmp_path):
@@ -21,6 +23,42 @@ def test_newest_complete_skips_a_checkpoint_a_rank_did_not_finish(tmp_path):
     save_rank_state(run, 20, 1, {"global_step": 20, "w": torch.ones(2)})
     assert newest_complete(run, ranks=[0, 1]).done == 20
     assert torch.equal(newest_complete(run, ranks=[0, 1]).load(1)["w"], torch.ones(2))
+
+
+def _two_checkpoints(run: str) -> list[str]:
+    """Steps 5 and 10 of ranks 0 and 1; the paths of step 10's files."""
+    paths = []
+    for done in (5, 10):
+        paths = [save_rank_state(run, done, rank, {"done": done, "w": torch.full((1000,), float(rank))})
+                 for rank in (0, 1)]
+    return paths
+
+
+def test_a_checkpoint_torn_mid_write_is_skipped_for_the_one_before(tmp_path):
+    run = str(tmp_path)
+    newest = _two_checkpoints(run)
+    assert newest_complete(run, ranks=[0, 1]).done == 10
+    with open(newest[1], "r+b") as f:  # the filesystem kept only part of it
+        f.truncate(os.path.getsize(newest[1]) // 2)
+    resume = newest_complete(run, ranks=[0, 1])
+    assert resume.done == 5 and resume.load(1)["done"] == 5
+
+
+def test_a_checkpoint_file_with_flipped_bytes_is_refused_and_set_aside(tmp_path):
+    run = str(tmp_path)
+    newest = _two_checkpoints(run)
+    with open(newest[0], "r+b") as f:  # same size, other bytes: only the checksum tells
+        f.seek(os.path.getsize(newest[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resume = newest_complete(run, ranks=[0, 1])
+    assert resume.done == 10
+    assert resume.load(1)["done"] == 10  # an intact file of it still loads
+    with pytest.raises(CorruptCheckpointError, match=r"rank0\.pt does not match the sha256.*launch again"):
+        resume.load(0)
+    assert os.path.isdir(os.path.join(run, "checkpoints", "step00000010.corrupt"))
+    assert newest_complete(run, ranks=[0, 1]).done == 5  # what launching again resumes from
 
 
 def test_prune_keeps_the_newest_complete_checkpoints(tmp_path):

@@ -11,7 +11,10 @@ Shard life cycle, by file name (`name` = `step00000012-p003.parquet`):
     <name>.claimed-c<k>  leased to consumer k; back to ready if not committed within lease_s
     <name>.done          consumed
     <name>.stale         too old to train on (buffer.max_staleness, stale=drop); kept, not trained
-    <name>.corrupt       failed its checksum; quarantined so it is not retried forever
+    <name>.corrupt       failed its checksum; quarantined so it is not retried forever. Its
+                         producer, if still running, writes it again from the copy it keeps of
+                         every shard not yet consumed (`resend_quarantined`); the bad bytes stay
+                         as <name>.corrupt-<k>
 """
 
 from __future__ import annotations
@@ -31,11 +34,14 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from rft import faults
+
 MANIFEST = "manifest.jsonl"
 _FORMATS = ("parquet", "arrow")  # Parquet, or an Arrow IPC file (no decode cost, bigger)
 _READY = re.compile(r"^step(\d{8,})-p(\d{3,})\.(parquet|arrow)$")
 _CLAIMED = re.compile(r"^(step\d{8,}-p\d{3,}\.(?:parquet|arrow))\.claimed-c\d+$")
 _RESERVED = ("version", "step")  # columns write() adds itself
+_KEEP_AT_MOST = 16  # unconsumed shards a producer keeps a copy of, to write again if quarantined
 
 
 class ShardCorruptError(RuntimeError):
@@ -101,6 +107,7 @@ class ExperienceBuffer:
         os.makedirs(self.root, exist_ok=True)
         self._manifest: dict[str, dict] = {}  # shard name -> latest manifest entry
         self._manifest_offset = 0  # bytes of manifest.jsonl already parsed
+        self._kept: dict[str, tuple[bytes, dict]] = {}  # a producer's shards not yet consumed: bytes, entry
 
     # ---- producer side ---------------------------------------------------------------------
 
@@ -127,8 +134,18 @@ class ExperienceBuffer:
         else:
             with ipc.new_file(sink, table.schema) as w:
                 w.write_table(table)
-        data = sink.getvalue()
+        data = sink.getvalue().to_pybytes()
+        entry = {"file": name, "rows": rows, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                 "step": step, "producer": producer, "version": version, "time": time.time()}
+        self._forget_consumed()
+        self._kept[name] = (data, entry)
+        if faults.armed("corrupt_shard", step):  # a disk or network error between checksum and file
+            data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
+        self._publish(name, data, entry)
+        return final
 
+    def _publish(self, name: str, data: bytes, entry: dict) -> None:
+        """Write `data` under a temporary name, record its manifest entry, rename it into place."""
         tmp = os.path.join(self.root, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             with open(tmp, "wb") as f:
@@ -136,16 +153,36 @@ class ExperienceBuffer:
                 f.flush()
                 os.fsync(f.fileno())
             # Manifest first: a consumer that sees the shard must find its checksum.
-            entry = {"file": name, "rows": rows, "bytes": data.size, "sha256": hashlib.sha256(data).hexdigest(),
-                     "step": step, "producer": producer, "version": version, "time": time.time()}
             self._append_manifest(entry)
-            os.rename(tmp, final)
+            os.rename(tmp, os.path.join(self.root, name))
         except BaseException:
             if os.path.exists(tmp):
                 os.remove(tmp)
             raise
         _fsync_dir(self.root)
-        return final
+
+    def _forget_consumed(self) -> None:
+        for name in [n for n in self._kept if os.path.exists(os.path.join(self.root, n + ".done"))
+                     or os.path.exists(os.path.join(self.root, n + ".stale"))]:
+            del self._kept[name]
+        while len(self._kept) >= _KEEP_AT_MOST:  # an explorer far ahead of its consumers (mode=explore)
+            del self._kept[next(iter(self._kept))]
+
+    def resend_quarantined(self) -> list[str]:
+        """Write again, from the copies this producer keeps, its shards a consumer quarantined for
+        a bad checksum (the same bytes: the step's experience is trained as if nothing happened).
+        Cheap when there is nothing to do (one stat per shard not yet consumed): producers call it
+        at every step and while they wait at a meeting. Returns the names written again."""
+        resent = []
+        for name, (data, entry) in list(self._kept.items()):
+            bad = os.path.join(self.root, name + ".corrupt")
+            if not os.path.exists(bad):
+                continue
+            tries = sum(1 for n in os.listdir(self.root) if n.startswith(name + ".corrupt-"))
+            os.rename(bad, f"{bad}-{tries + 1}")  # kept for inspection
+            self._publish(name, data, {**entry, "time": time.time(), "resent": tries + 1})
+            resent.append(name)
+        return resent
 
     @staticmethod
     def _stamped(table: pa.Table, step: int, version: int) -> pa.Table:
@@ -225,7 +262,15 @@ class ExperienceBuffer:
                 missing = [p for p in missing if p not in gone]
             waited = time.monotonic() - start
             if ready and not missing:
-                claims = [self._try_claim(of_step[p], consumer) for p in producers if p in of_step]
+                claims = []
+                try:
+                    for p in producers:
+                        if p in of_step:
+                            claims.append(self._try_claim(of_step[p], consumer))
+                except ShardCorruptError:
+                    for claim in filter(None, claims):  # the step is taken whole or not at all
+                        self.release(claim)
+                    raise
                 if any(c is None for c in claims):
                     raise RuntimeError(f"step {step}'s shards in {self.root} were taken by another consumer: "
                                        "one trainer (rank 0) claims a job's experience")
@@ -296,6 +341,11 @@ class ExperienceBuffer:
                 f"cannot commit {claim.name}: its lease ({self.lease_s}s) expired and it was returned "
                 f"to the pool in {self.root}, so it may be consumed again; raise buffer lease_s"
             ) from None
+
+    def release(self, claim: Claim) -> None:
+        """Return a claimed shard to the pool untrained, before its lease runs out."""
+        with contextlib.suppress(FileNotFoundError):  # the lease ran out and it went back already
+            os.rename(claim.path, os.path.join(self.root, claim.name))
 
     def set_aside_stale(self, claim: Claim) -> None:
         """Mark a claimed shard stale (dropped untrained; kept on disk as <name>.stale)."""

@@ -104,6 +104,7 @@ class Explorer:
         self.cfg, self.info, self.engines, self.runtime, self.judges = cfg, info, engines, runtime, judges
         run_dir = cfg.run.output_dir
         self.buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+        runtime.group.meeting.while_waiting = self.resend_quarantined  # the trainer may wait for one
         self.failed_path = os.path.join(run_dir, "buffer", "failed.jsonl")
         self.version = runtime.state.track("version", Value(0))  # the weights the engines serve
         for engine in engines:
@@ -122,6 +123,12 @@ class Explorer:
         self.cursor: TaskCursor | None = None
         self.eval_tasks: list[Task] = []
         self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
+
+    def resend_quarantined(self) -> None:
+        """Write again the shards of ours the trainer quarantined for a bad checksum."""
+        for name in self.buffer.resend_quarantined():
+            print(f"engine {self.engine}: shard {name} failed its checksum at the trainer; written again "
+                  "from this explorer's copy", flush=True)
 
     def _sessions(self) -> list[Experience]:
         """The endpoint's sessions rewarded since the last step, as experience."""
@@ -168,6 +175,7 @@ class Explorer:
         """Generate the step's experience and write it as this rank's shard of the step."""
         if self.cursor is None:  # a dataset stage (SFT): the explorer only evaluates
             return {}
+        self.resend_quarantined()
         algo, rollout = stage.cfg.algorithm, stage.cfg.rollout
         sampling = Sampling(rollout.temperature, rollout.top_p, rollout.max_new_tokens, tuple(rollout.stop))
         outcomes: list[Outcome] = []

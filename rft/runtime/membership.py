@@ -54,6 +54,9 @@ class Meeting:
         # it leaves a meeting last, once every other member has read, and frees the meeting's keys
         self.host = host
         self.present: list[int] = list(members)  # who posted at the last meeting (every member agrees)
+        # what this member does while it waits for the others (about every 0.2 s): an explorer writes
+        # again a shard the trainer, which it waits for, quarantined (rft/buffer/shards.py)
+        self.while_waiting: Callable[[], object] | None = None
 
     def post(self, key: str, payload: object) -> dict[int, object]:
         """Post `payload` under `key` (a name every member uses alike); every present member's
@@ -63,6 +66,7 @@ class Meeting:
         deadline = time.monotonic() + self.timeout_s
         pause = 0.0005
         waiting = [r for r in self.members if r != self.me]
+        next_chore = time.monotonic() + 0.2
         while True:
             # check() of a key that is there is one round trip; a timed-out store.wait() is avoided:
             # torch's TCPStore client may read its late reply as the answer to the next command
@@ -80,6 +84,9 @@ class Meeting:
                 raise TimeoutError(f"{self.name_of(self.me)}: {', '.join(self.name_of(r) for r in waiting)} did not "
                                    f"reach {key!r} within {self.timeout_s:.0f}s (sync.timeout_s): stalled, or on a "
                                    "node that is gone? see their logs")
+            if self.while_waiting is not None and time.monotonic() >= next_chore:
+                self.while_waiting()
+                next_chore = time.monotonic() + 0.2
             time.sleep(pause)
             pause = min(pause * 2, 0.02)
         present = [r for r in self.members if self.store.check([names[r]])]

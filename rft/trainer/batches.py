@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from rft.buffer.experience import from_table
-from rft.buffer.shards import ExperienceBuffer
+from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
 from rft.buffer.taskset import Task, TaskCursor
 from rft.cluster import RankInfo
 from rft.explorer.chat_format import chat_format, conversation_ids
@@ -78,22 +78,33 @@ class ExperienceReader:
         self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
         self.producers, self.lost = producers, lost  # lost(missing): producers gone for good (engines lost)
         self.claims: list = []
+        self.corrupt = 0  # shards quarantined for a bad checksum
 
     def next_table(self) -> tuple[object, float, float]:
         """(table, seconds waited for the shards to appear, seconds of buffer I/O)."""
         start = time.time()
         payload = [None]
         if self.info.rank == 0:
-            if self.producers:
-                self.claims = self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s,
-                                                     self.lost)
-            else:
-                self.claims = [self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)]
+            self.claims = self._claim()
             payload = [pa.concat_tables([c.table for c in self.claims])]
         if self.info.trainer_ranks > 1:
             dist.broadcast_object_list(payload, src=0)
         waited = self.claims[0].waited_s if self.claims else 0.0
         return payload[0], waited, time.time() - start - waited
+
+    def _claim(self) -> list:
+        """The next step's claims. A shard that fails its checksum is quarantined (rft/buffer/shards.py)
+        and waited for: the job's explorer that wrote it writes it again from its copy."""
+        while True:
+            try:
+                if self.producers:
+                    return self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s, self.lost)
+                return [self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)]
+            except ShardCorruptError as err:
+                self.corrupt += 1
+                then = "waiting for its explorer to write it again" if self.producers else \
+                    "skipped: no explorer of this job can write it again"
+                print(f"rft: {err}; {then}", flush=True)
 
     def commit(self, stale: bool = False) -> float:
         """Mark the step's shards consumed, or with `stale` set them aside untrained."""

@@ -196,6 +196,8 @@ class Learner:
             batch, scalars = experience_batch(table)
             algo, drop = self._staleness(table, scalars)
             scalars.update({"timing/wait_s": waited})
+            if self.reader.corrupt:  # shards quarantined for a bad checksum and written again (or skipped)
+                scalars["buffer/corrupt_shards"] = float(self.reader.corrupt)
             if self.reader.producers and len(self.reader.producers) > 1:
                 scalars["buffer/engines"] = float(len(self.reader.claims))  # engines whose shards this step trains
             self.runtime.progress.add(wait_s=waited)

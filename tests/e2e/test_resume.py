@@ -130,3 +130,19 @@ def test_run_stopped_by_the_time_limit_signal_resumes_as_if_never_stopped(tmp_pa
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
     assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
     assert_same_run(uninterrupted(offset), run_dir, DONE, FINAL_STATE)
+
+
+def test_a_shard_torn_on_its_way_to_disk_is_written_again_and_the_run_ends_as_if_not(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    torn = SFT_STEPS + 5  # the shard of this step reaches the disk with a flipped byte (rft/faults.py)
+    result = launch(*_overrides(run_dir, 0), env={**os.environ, "RFT_FAULTS": f"corrupt_shard@{torn}"})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    name = f"step{torn:08d}-p001.parquet"
+    assert (run_dir / "buffer" / f"{name}.corrupt-1").exists()  # quarantined by the trainer, kept
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    assert f"shard {name} failed its checksum at the trainer; written again" in logs
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(SFT_STEPS, DONE)]
+    trainer_log = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
+    assert [r.get("buffer/corrupt_shards", 0) for r in trainer_log][torn:] == [1.0] * (DONE - torn)
+    assert_same_run(uninterrupted(0), run_dir, DONE, FINAL_STATE)  # the same experience, trained once

@@ -140,6 +140,31 @@ def test_checksum_mismatch_is_detected_and_quarantined(tmp_path):
     assert buf.pending() == [] and os.path.exists(path + ".corrupt")
 
 
+def test_a_quarantined_shard_is_written_again_by_its_producer_and_its_step_taken_whole(tmp_path, monkeypatch):
+    monkeypatch.setenv("RFT_FAULTS", "corrupt_shard@3")  # producer 1's shard of step 3 reaches the disk torn
+    producers = {p: ExperienceBuffer(str(tmp_path)) for p in (1, 2)}
+    for p, buf in producers.items():
+        buf.write(_columns(4, offset=10 * p), step=2, producer=p, version=0)
+    consumer = ExperienceBuffer(str(tmp_path))
+    for claim in consumer.claim_step(0, [1, 2], timeout_s=1.0):
+        consumer.commit(claim)
+    assert producers[2].resend_quarantined() == []  # nothing quarantined: nothing written
+    for p, buf in producers.items():
+        buf.write(_columns(4, offset=10 * p), step=3, producer=p, version=1)
+    with pytest.raises(ShardCorruptError, match="step00000003-p001"):
+        consumer.claim_step(0, [1, 2], timeout_s=1.0)
+    assert consumer.pending() == ["step00000003-p002.parquet"]  # the step's other shard went back
+    assert producers[2].resend_quarantined() == []  # not its shard
+    assert producers[1].resend_quarantined() == ["step00000003-p001.parquet"]
+    claims = consumer.claim_step(0, [1, 2], timeout_s=1.0)
+    assert [c.table.column("prompt_ids").to_pylist() for c in claims] == \
+        [_columns(4, offset=10 * p)["prompt_ids"] for p in (1, 2)]  # the same experience as written
+    assert os.path.exists(tmp_path / "step00000003-p001.parquet.corrupt-1")  # the bad bytes, kept
+    for claim in claims:
+        consumer.commit(claim)
+    assert consumer.consumed() == [f"step0000000{s}-p00{p}.parquet" for s in (2, 3) for p in (1, 2)]
+
+
 def test_shard_without_manifest_entry_is_rejected(tmp_path):
     src = ExperienceBuffer(str(tmp_path / "a"))
     path = src.write({"x": [1]}, step=0, producer=0, version=0)

@@ -32,6 +32,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from rft import faults
+from rft.runtime.storage import written_whole_or_not_at_all
+
 _STEP_DIR = re.compile(r"^step(\d{8,})$")
 
 
@@ -72,13 +75,16 @@ def save_rank_state(run_dir: str, done: int, rank: int, state: dict[str, Any]) -
     os.makedirs(step_dir, exist_ok=True)
     final = _rank_file(step_dir, rank)
     tmp = f"{final}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        writer = _HashingWriter(f)
-        torch.save(state, writer)
-        f.flush()
-        os.fsync(f.fileno())
-    write_json_atomic(_digest_file(final), {"bytes": writer.bytes, "sha256": writer.sha.hexdigest()})
-    os.replace(tmp, final)
+    if faults.armed("file_size_limit", done):
+        faults.limit_file_size()
+    with written_whole_or_not_at_all(tmp, f"the checkpoint of rank {rank} at step {done}"):
+        with open(tmp, "wb") as f:
+            writer = _HashingWriter(f)
+            torch.save(state, writer)
+            f.flush()
+            os.fsync(f.fileno())
+        write_json_atomic(_digest_file(final), {"bytes": writer.bytes, "sha256": writer.sha.hexdigest()})
+        os.replace(tmp, final)
     return final
 
 

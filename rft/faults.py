@@ -2,6 +2,9 @@
 environment names what to break and when, e.g.
 
     RFT_FAULTS=corrupt_shard@35              the shard of step 35 reaches the disk with a flipped byte
+    RFT_FAULTS=file_size_limit@45            ranks saving the checkpoint of step 45 first get a 1 MiB
+                                             file size limit: the kernel refuses the bigger files with
+                                             EFBIG, as a full filesystem would with ENOSPC
     RFT_FAULTS=corrupt_shard@35,corrupt_shard@38
 
 A fault fires at most once per process, at the first time its point is reached at that step.
@@ -13,7 +16,8 @@ from __future__ import annotations
 
 import os
 
-KINDS = ("corrupt_shard",)  # rft/buffer/shards.py: ExperienceBuffer.write
+KINDS = ("corrupt_shard",  # rft/buffer/shards.py: ExperienceBuffer.write
+         "file_size_limit")  # rft/checkpoint.py: save_rank_state
 _fired: set[tuple[str, int]] = set()
 
 
@@ -34,3 +38,12 @@ def armed(kind: str, step: int) -> bool:
         return False
     _fired.add((kind, step))
     return True
+
+
+def limit_file_size(max_bytes: int = 1 << 20) -> None:
+    """This process may write no file larger than `max_bytes` from now on (a soft limit: what
+    `ulimit -f` sets; CPython ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_bytes, hard))

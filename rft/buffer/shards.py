@@ -35,6 +35,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from rft import faults
+from rft.runtime.storage import written_whole_or_not_at_all
 
 MANIFEST = "manifest.jsonl"
 _FORMATS = ("parquet", "arrow")  # Parquet, or an Arrow IPC file (no decode cost, bigger)
@@ -147,7 +148,7 @@ class ExperienceBuffer:
     def _publish(self, name: str, data: bytes, entry: dict) -> None:
         """Write `data` under a temporary name, record its manifest entry, rename it into place."""
         tmp = os.path.join(self.root, f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        try:
+        with written_whole_or_not_at_all(tmp, f"experience shard {name}"):
             with open(tmp, "wb") as f:
                 f.write(data)
                 f.flush()
@@ -155,10 +156,6 @@ class ExperienceBuffer:
             # Manifest first: a consumer that sees the shard must find its checksum.
             self._append_manifest(entry)
             os.rename(tmp, os.path.join(self.root, name))
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
         _fsync_dir(self.root)
 
     def _forget_consumed(self) -> None:

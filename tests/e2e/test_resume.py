@@ -146,3 +146,31 @@ def test_a_shard_torn_on_its_way_to_disk_is_written_again_and_the_run_ends_as_if
     trainer_log = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
     assert [r.get("buffer/corrupt_shards", 0) for r in trainer_log][torn:] == [1.0] * (DONE - torn)
     assert_same_run(uninterrupted(0), run_dir, DONE, FINAL_STATE)  # the same experience, trained once
+
+
+def test_a_full_disk_stops_the_run_without_torn_files_and_it_resumes_once_space_is_back(tmp_path, uninterrupted):
+    run_dir = tmp_path / "run"
+    overrides = _overrides(run_dir, 0)
+    launcher = launch_until_step(overrides, run_dir, CHECKPOINT + 2)  # first a checkpoint to resume from
+    for pid_file in (run_dir / "pids").glob("rank*.pid"):
+        os.kill(int(pid_file.read_text()), signal.SIGUSR2)
+    launcher.communicate(timeout=300)
+    stopped_at = max(int(p.name[4:]) for p in (run_dir / "checkpoints").glob("step*"))
+
+    # Launched again, the trainer's next checkpoint (4.9 MB) finds no room: a 1 MiB file size limit,
+    # set on the ranks as they save it (rft/faults.py), the test machine's stand-in for a full
+    # filesystem (the kernel's EFBIG instead of ENOSPC, handled alike)
+    failed_at = (stopped_at // SAVE_EVERY + 1) * SAVE_EVERY
+    full = launch(*overrides, env={**os.environ, "RFT_FAULTS": f"file_size_limit@{failed_at}"})
+    said = full.stdout + full.stderr
+    assert full.returncode != 0, said[-3000:]
+    assert f"file size limit (ulimit -f) is reached while writing the checkpoint of rank 0 at step {failed_at}" in said
+    assert "launch again with the same run.output_dir" in said
+    left = os.listdir(run_dir / "checkpoints" / f"step{failed_at:08d}")
+    assert "rank0.pt" not in left and not [n for n in left if ".tmp" in n], left  # nothing torn, nothing half-written
+
+    result = launch(*overrides)  # space is back
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
+    assert_same_run(uninterrupted(0), run_dir, DONE, FINAL_STATE)

@@ -165,6 +165,29 @@ def test_a_quarantined_shard_is_written_again_by_its_producer_and_its_step_taken
     assert consumer.consumed() == [f"step0000000{s}-p00{p}.parquet" for s in (2, 3) for p in (1, 2)]
 
 
+def _write_under_a_file_size_limit(root: str, conn) -> None:
+    from rft import faults
+    from rft.runtime.storage import StorageFullError
+
+    faults.limit_file_size(4096)  # the kernel refuses bigger files (EFBIG), as a full disk would (ENOSPC)
+    try:
+        ExperienceBuffer(root).write({"x": list(range(100_000))}, step=0, producer=0, version=0)
+        conn.send("written")
+    except StorageFullError as err:
+        conn.send(str(err))
+
+
+def test_a_full_disk_leaves_no_shard_half_written_and_says_what_to_do(tmp_path):
+    here, there = mp.get_context("fork").Pipe()
+    child = mp.get_context("fork").Process(target=_write_under_a_file_size_limit, args=(str(tmp_path), there))
+    child.start()
+    said = here.recv()
+    child.join()
+    assert "file size limit (ulimit -f) is reached while writing experience shard step00000000-p000" in said
+    assert "launch again with the same run.output_dir" in said
+    assert [n for n in os.listdir(tmp_path) if n.startswith((".step", "step"))] == []  # no shard, no temp file
+
+
 def test_shard_without_manifest_entry_is_rejected(tmp_path):
     src = ExperienceBuffer(str(tmp_path / "a"))
     path = src.write({"x": [1]}, step=0, producer=0, version=0)

@@ -1,0 +1,54 @@
+"""Writing a file so that a failure leaves nothing torn behind, and a full disk says so.
+
+Checkpoints and experience shards are written under a temporary name and renamed into place
+(rft/checkpoint.py, rft/buffer/shards.py). When the write fails, the temporary file goes too: a
+full filesystem must not be made fuller by half-written files, nor leave one a later run could
+mistake for data. A full filesystem, an exhausted quota and a file-size limit (`ulimit -f`) end the
+rank with a StorageFullError naming the file and saying what to do; launching again after space is
+freed resumes from the newest complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+FULL = {errno.ENOSPC: "the filesystem is full", errno.EDQUOT: "the disk quota is used up",
+        errno.EFBIG: "the file size limit (ulimit -f) is reached"}
+
+
+class StorageFullError(OSError):
+    """No room to write a checkpoint or a shard."""
+
+
+@contextmanager
+def written_whole_or_not_at_all(tmp: str, what: str) -> Iterator[None]:
+    """Around writing `tmp` (and renaming it into place): on failure remove `tmp`, and turn a full
+    filesystem into a StorageFullError that says what to do."""
+    try:
+        yield
+    except BaseException as err:
+        try:
+            os.remove(tmp)
+        except OSError:
+            pass  # renamed already, or never created
+        code = _full(err)
+        if code is not None:
+            raise StorageFullError(
+                code, f"{FULL[code]} while writing {what} ({tmp}); nothing half-written was left. "
+                "Free space, then launch again with the same run.output_dir: the run resumes from its newest "
+                "complete checkpoint") from None
+        raise
+
+
+def _full(err: BaseException | None) -> int | None:
+    """The errno of a full disk in `err` or what it was raised while handling: torch.save turns
+    the OSError into a RuntimeError of its zip writer."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in FULL:
+            return err.errno
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None

@@ -84,6 +84,7 @@ def save_rank_state(run_dir: str, done: int, rank: int, state: dict[str, Any]) -
             f.flush()
             os.fsync(f.fileno())
         write_json_atomic(_digest_file(final), {"bytes": writer.bytes, "sha256": writer.sha.hexdigest()})
+        faults.strike("save", done, rank, run_dir)
         os.replace(tmp, final)
     return final
 

@@ -1,43 +1,68 @@
 """Faults injected on purpose, for the tests and tools/chaos.py: `RFT_FAULTS` in a rank's
-environment names what to break and when, e.g.
+environment names what to break, at which step, and optionally on which rank (`#<rank>`):
 
-    RFT_FAULTS=corrupt_shard@35              the shard of step 35 reaches the disk with a flipped byte
-    RFT_FAULTS=file_size_limit@45            ranks saving the checkpoint of step 45 first get a 1 MiB
-                                             file size limit: the kernel refuses the bigger files with
-                                             EFBIG, as a full filesystem would with ENOSPC
-    RFT_FAULTS=corrupt_shard@35,corrupt_shard@38
+    RFT_FAULTS=corrupt_shard@35      the shard of step 35 reaches the disk with a flipped byte
+    RFT_FAULTS=file_size_limit@45    ranks saving the checkpoint of step 45 first get a 1 MiB file
+                                     size limit: the kernel refuses bigger files with EFBIG, as a
+                                     full filesystem would with ENOSPC
+    RFT_FAULTS=kill_train@37#1       rank 1 is SIGKILLed in the middle of trainer step 37
+    RFT_FAULTS=stop_sync@41#0        rank 0 stops (SIGSTOP: a hang) in the middle of step 41's sync
+    RFT_FAULTS=corrupt_shard@35,kill_save@40#2
 
-A fault fires at most once per process, at the first time its point is reached at that step.
-Points are single lines in the code they break (grep `faults.armed`), so production code pays one
-dict lookup. Why not a mock: the run under test is the real one, with real processes and files.
+kill_* and stop_* act at a point of a step (`step` as checkpoints and logs count it: steps done
+once it ends): `generation` (an explorer, its rollouts generated, not yet written), `train` (a
+trainer, its update made, its shard not yet committed), `sync` (a trainer, one weight sent or
+gathered of the step's sync) and `save` (any rank, its checkpoint file written, not yet renamed).
+Before acting, the rank appends what it does to `<run>/faults.jsonl` (tools/chaos.py times the
+launcher's reaction from it). A fault fires at most once per process. Why not a mock: the run
+under test is the real one, with real processes, signals and files.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import time
 
+POINTS = ("generation", "train", "sync", "save")
 KINDS = ("corrupt_shard",  # rft/buffer/shards.py: ExperienceBuffer.write
-         "file_size_limit")  # rft/checkpoint.py: save_rank_state
+         "file_size_limit",  # rft/checkpoint.py: save_rank_state
+         *(f"{act}_{point}" for act in ("kill", "stop") for point in POINTS))  # strike()
 _fired: set[tuple[str, int]] = set()
 
 
-def _parse(spec: str) -> set[tuple[str, int]]:
-    faults = set()
+def parse(spec: str) -> list[tuple[str, int, int | None]]:
+    """`RFT_FAULTS` as (kind, step, rank or None); ValueError naming a bad item."""
+    faults = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        kind, _, step = item.partition("@")
-        if kind not in KINDS or not step.isdigit():
-            raise ValueError(f"RFT_FAULTS item {item!r} is not <fault>@<step> with a fault among {list(KINDS)}")
-        faults.add((kind, int(step)))
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition("#")
+        if kind not in KINDS or not step.isdigit() or (rank and not rank.isdigit()):
+            raise ValueError(f"RFT_FAULTS item {item!r} is not <fault>@<step>[#<rank>] with a fault among {list(KINDS)}")
+        faults.append((kind, int(step), int(rank) if rank else None))
     return faults
 
 
-def armed(kind: str, step: int) -> bool:
-    """True once if `RFT_FAULTS` asks for `kind` at `step` (then the caller acts out the fault)."""
+def armed(kind: str, step: int, rank: int | None = None) -> bool:
+    """True once if `RFT_FAULTS` asks for `kind` at `step` (on `rank`, or on any rank)."""
     spec = os.environ.get("RFT_FAULTS")
-    if not spec or (kind, step) in _fired or (kind, step) not in _parse(spec):
+    if not spec or (kind, step) in _fired:
+        return False
+    if not any(k == kind and s == step and r in (None, rank) for k, s, r in parse(spec)):
         return False
     _fired.add((kind, step))
     return True
+
+
+def strike(point: str, step: int, rank: int, run_dir: str) -> None:
+    """At `point` of `step`: if a kill or a stop is armed here, record it and do it to this process."""
+    for act, signum in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP)):
+        if armed(f"{act}_{point}", step, rank):
+            with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
+                f.write(json.dumps({"fault": f"{act}_{point}", "step": step, "rank": rank, "pid": os.getpid(),
+                                    "time": time.time()}) + "\n")
+            os.kill(os.getpid(), signum)
 
 
 def limit_file_size(max_bytes: int = 1 << 20) -> None:

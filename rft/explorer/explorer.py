@@ -18,6 +18,7 @@ import shutil
 import time
 import torch
 
+from rft import faults
 from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.context_fit import ContextFit
 from rft.buffer.experience import Experience, to_table
@@ -195,6 +196,7 @@ class Explorer:
         sessions = self._sessions()  # rollout.openai_api: what agents outside the run finished
         experiences += sessions
         generated = time.time()
+        faults.strike("generation", step.global_step, self.info.rank, self.cfg.run.output_dir)
         self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.info.rank,
                           version=self.version.value)
         written = time.time()

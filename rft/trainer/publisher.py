@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rft import faults
 from rft.cluster import RankInfo, sync_layout
 from rft.config import RFTConfig, wire_dtype
 from rft.weights.convert import export_hf_weights, hf_table
@@ -52,11 +53,19 @@ class WeightPublisher:
             self.sender.reopen(sync_layout(self.cfg, self.info, self.on_gpu, engines))
             self.engines = engines
         table, tensors = self._payload(model)
+        tensors = self._struck_after_first(tensors, version)
         if self.sender is None:
             for _ in tensors:  # the TP all-gathers are collectives: every TP rank iterates
                 pass
             return 0
         return self.sender.send(table, tensors, self.version)
+
+    def _struck_after_first(self, tensors, version: int):
+        """`tensors`, with rft/faults.py's `sync` point after the first one (a sync under way)."""
+        for index, item in enumerate(tensors):
+            yield item
+            if index == 0:
+                faults.strike("sync", version, self.info.rank, self.cfg.run.output_dir)
 
     def begin_stage(self, adapters, adapter_sync: bool) -> None:
         """A stage's LoRA adapters (None: none): sent merged (W + B A), or as PEFT adapters for

@@ -18,6 +18,7 @@ from dataclasses import replace
 from rft.buffer.context_fit import ContextFit
 from rft.buffer.shards import ExperienceBuffer
 from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
+from rft import faults
 from rft.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
 from rft.cluster import RankInfo, engine_leaders, losable_members
 from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs
@@ -219,6 +220,7 @@ class Learner:
         if not drop:
             self.scheduler.step()
         trained = time.time()
+        faults.strike("train", self.runtime.progress.global_step, self.info.rank, self.cfg.run.output_dir)
         io_s += self.reader.commit(stale=drop)
         if self.dataset is None:
             scalars["timing/buffer_read_s"] = io_s

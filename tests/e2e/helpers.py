@@ -100,53 +100,10 @@ def progress_step(run_dir) -> int:
         return 0
 
 
-# What a resumed run may differ in from an uninterrupted one: wall-clock measurements, and how far
-# behind the explorer's weights were when a step was trained (the restarted explorer starts in step).
-_CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag")
+def assert_same_run(reference, resumed, done: int, states: dict[int, tuple[str, ...]],
+                    logs: tuple[str, ...] = ("trainer0", "rollout1", "eval")) -> None:
+    """`resumed` ended as `reference` did, bit for bit (rft/runtime/equivalence.py)."""
+    from rft.runtime.equivalence import run_differences
 
-
-def step_metrics(run_dir, name: str) -> dict[int, dict]:
-    """metrics/<name>.jsonl by step, without what depends on the clock."""
-    rows = {}
-    for line in (Path(run_dir) / "metrics" / f"{name}.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = {k: v for k, v in row.items() if not k.startswith(_CLOCK_KEYS)}
-    return rows
-
-
-def differences(a, b, path: str = "") -> list[str]:
-    """Where two checkpoint states differ, bit for bit (tensors with torch.equal)."""
-    import numpy as np
-    import torch
-
-    if isinstance(a, torch.Tensor):
-        return [] if isinstance(b, torch.Tensor) and torch.equal(a, b) else [path]
-    if isinstance(a, np.ndarray):
-        return [] if isinstance(b, np.ndarray) and np.array_equal(a, b) else [path]
-    if isinstance(a, dict):
-        if not isinstance(b, dict) or a.keys() != b.keys():
-            return [f"{path} (keys)"]
-        return [d for k in a for d in differences(a[k], b[k], f"{path}.{k}")]
-    if isinstance(a, (list, tuple)):
-        if not isinstance(b, (list, tuple)) or len(a) != len(b):
-            return [f"{path} (length)"]
-        return [d for i, (x, y) in enumerate(zip(a, b)) for d in differences(x, y, f"{path}[{i}]")]
-    return [] if a == b else [path]
-
-
-def assert_same_run(reference, resumed, done: int, states: dict[int, tuple[str, ...]]) -> None:
-    """`resumed` ended as `reference` did: the same metrics at every step of every rank, and the
-    same state in its final checkpoint (`done` steps), bit for bit: for each rank in `states`,
-    those entries of its checkpoint file (e.g. the trainer's model, optimizer and RNG)."""
-    import torch
-
-    for name in ("trainer0", "rollout1", "eval"):
-        want, got = step_metrics(reference, name), step_metrics(resumed, name)
-        assert sorted(got) == sorted(want), f"{name}: steps {sorted(got)} != {sorted(want)}"
-        changed = [(s, k, v, got[s].get(k)) for s in want for k, v in want[s].items() if got[s].get(k) != v]
-        assert not changed, f"{name}: (step, metric, uninterrupted, resumed) {changed[:5]}"
-    for rank, keys in states.items():
-        files = [Path(run) / "checkpoints" / f"step{done:08d}" / f"rank{rank}.pt" for run in (reference, resumed)]
-        want, got = (torch.load(f, weights_only=False) for f in files)
-        changed = [d for key in keys for d in differences(want[key], got[key], key)]
-        assert not changed, f"rank {rank}'s final state differs from the uninterrupted run's at {changed[:5]}"
+    found = run_differences(str(reference), str(resumed), done, states, logs)
+    assert not found, f"{len(found)} differences from the uninterrupted run, e.g. {found[:5]}"

@@ -22,13 +22,13 @@ import time
 import pytest
 
 from rft.buffer.shards import ExperienceBuffer
+from rft.runtime.equivalence import EXPLORER_STATE, TRAINER_STATE
 from tests.e2e.helpers import REPO, assert_same_run, launch, launch_until_step, leftovers, tensorboard_scalars
 
 SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
 DONE = SFT_STEPS + GRPO_STEPS
-# the final checkpoint's state that must match: the trainer's (rank 0) and the explorer's (rank 1)
-FINAL_STATE = {0: ("model", "optimizer", "scheduler", "rng", "publisher"), 1: ("version", "cursor")}
+FINAL_STATE = {0: TRAINER_STATE, 1: EXPLORER_STATE}  # the state that must match: the trainer's, the explorer's
 
 
 def _overrides(run_dir, offset: int) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import traceback
 
 from omegaconf import OmegaConf
@@ -50,7 +51,11 @@ def run_rank(config: dict, master_port: int) -> dict:
     try:
         return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
     except Exception as err:  # not a Ctrl-C or a cancel: the whole job is ending then
-        _mark_lost(config, master_port, err)
+        # marked while submitit writes the rank's outcome for the launcher, not before: with rank
+        # 0 gone too, reaching its store takes seconds, and the launcher would first hear of a
+        # peer's error ("connection reset") instead of this rank's death. The interpreter waits
+        # for this (non-daemon) thread before the task exits.
+        threading.Thread(target=_mark_lost, args=(config, master_port, err), name="rft-mark-lost").start()
         raise
 
 
@@ -153,6 +158,9 @@ def _rank_main(config: dict, master_port: int) -> dict:
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:
         f.write(str(os.getpid()))
+    from rft.runtime.pulse import start_pulse
+
+    start_pulse(pid_path(cfg.run.output_dir, info.rank))  # the launcher tells a stopped rank by it
     print(f"rank {info.rank}/{info.world_size}: {info.role} (role rank {info.role_rank})", flush=True)
     import torch
 

@@ -237,8 +237,17 @@ def _resolved_config(cfg: RFTConfig) -> dict:
     return config
 
 
+def rank_name(cfg: RFTConfig, rank: int) -> str:
+    """A rank as the launcher names it: "trainer rank 1", "rollout rank 2", "judge rank 3"."""
+    trainers, rollouts = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
+    role = "trainer" if rank < trainers else "rollout" if rank < trainers + rollouts else "judge"
+    return f"{role} rank {rank}"
+
+
 def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
+    from rich.markup import escape
+
     from rft.monitor import write_json_atomic
     from rft.report import (
         build_summary,
@@ -258,7 +267,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
     try:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
-                        on_slurm=on_slurm, engine_of=losable_engines(cfg))
+                        on_slurm=on_slurm, engine_of=losable_engines(cfg), name_of=lambda rank: rank_name(cfg, rank))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
         console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
@@ -276,7 +285,10 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
                     time.sleep(0.1)
                 stop_local_ranks(processes)
     if failure is not None:
-        console.print(f"[red]rank {failure.rank} failed: {failure.reason}\n  log: {failure.log_path}", soft_wrap=True)
+        # the reason quotes the rank's error, which may hold brackets (gloo's "[/.../pair.cc:553]")
+        # that rich would take for markup
+        console.print(f"[red]rank {failure.rank} failed: {escape(failure.reason)}\n  log: {escape(failure.log_path)}",
+                      soft_wrap=True)
         return 1
     if on_slurm and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
@@ -26,6 +27,12 @@ class RankFailure:
     rank: int
     log_path: str
     reason: str
+
+    @property
+    def died(self) -> bool:
+        """Killed by a signal or gone without a result (rft/runtime/supervisor.py's words), rather
+        than raising: when one rank dies its peers raise soon after, and the dead one is the cause."""
+        return " was killed by " in self.reason or "without a result" in self.reason
 
 
 def _task_result(log_dir: str, job_id: str, rank: int) -> tuple[str, object] | None:
@@ -137,7 +144,7 @@ def warn_once(text: str) -> None:
     text = text.strip()
     if text and text not in _WARNED:
         _WARNED.add(text)
-        console.print(f"[yellow]slurm: {text}", soft_wrap=True)
+        console.print(f"[yellow]slurm: {escape(text)}", soft_wrap=True)
 
 
 def _squeue_state(job_id: str) -> str | None:
@@ -268,16 +275,40 @@ class EngineLosses:
             engine = self.engine_of.get(failure.rank)
             if engine is not None and engine not in self.lost:
                 self.lost.add(engine)
-                console.print(f"[yellow]engine {engine} lost: rank {failure.rank} failed: {failure.reason}\n  log: "
-                              f"{failure.log_path}\n  the run goes on without it (rollout.on_engine_failure=continue)",
+                console.print(f"[yellow]engine {engine} lost: rank {failure.rank} failed: {escape(failure.reason)}\n  log: "
+                              f"{escape(failure.log_path)}\n  the run goes on without it (rollout.on_engine_failure=continue)",
                               soft_wrap=True)
         left = set(self.engine_of.values()) - self.lost
         return next((f for f in failures if f.rank not in self.engine_of or not left), None)
 
 
+DEATH_REPORT_S = 3.0
+
+
+def silent_cause(failure: RankFailure, run_dir: str, log_dir: str, job_id: str, world_size: int,
+                 alive: Callable[[int], bool | None], name_of: Callable[[int], str]) -> RankFailure:
+    """`failure`, or when a rank that has not ended went silent (rft/runtime/pulse.py) the silent
+    one: the failed rank most likely timed out waiting for it."""
+    from rft.job import pid_path
+    from rft.runtime.pulse import SILENT_S, silent_s
+
+    for rank in range(world_size):
+        quiet = silent_s(pid_path(run_dir, rank))
+        if rank == failure.rank or quiet is None or quiet < SILENT_S or alive(rank) is False:
+            continue
+        if _task_result(log_dir, job_id, rank) is not None:  # it ended: its pulse stopped with it
+            continue
+        return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
+                           f"{name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (stopped by a signal "
+                           f"or a debugger, hung, or its node is unreachable); rank {failure.rank} then failed: "
+                           f"{failure.reason}")
+    return failure
+
+
 def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool, poll_s: float = 1.0,
           done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
-          on_slurm: bool = False, engine_of: dict[int, int] | None = None) -> RankFailure | None:
+          on_slurm: bool = False, engine_of: dict[int, int] | None = None,
+          name_of: Callable[[int], str] = lambda rank: f"rank {rank}") -> RankFailure | None:
     """Render progress until the job ends; return the first failed rank, if any (a lost engine's
     ranks in `engine_of` are not the job's failure: EngineLosses). While it follows, the
     launcher's ownership of the run directory stays fresh (rft/runtime/run_dir.py)."""
@@ -299,7 +330,13 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 beat = time.monotonic()
             failure = losses.fatal(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm))
             if failure is not None:
-                return failure
+                # a rank killed by a signal reports after its supervisor cleaned up, and a peer's
+                # error ("connection reset") may land first: give the dead one's report a moment
+                time.sleep(DEATH_REPORT_S)
+                failures = find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
+                failure = losses.fatal(sorted(failures, key=lambda f: not f.died)) or failure
+                return failure if failure.died else silent_cause(failure, run_dir, log_dir, job.job_id, world_size,
+                                                                 alive, name_of)
             endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))
             if endpoints:  # rollout.openai_api: say where agents can reach the policy, once
                 shown_endpoints = True
@@ -313,7 +350,8 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")
             time.sleep(poll_s)
-    return losses.fatal(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm))
+    return losses.fatal(sorted(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm),
+                               key=lambda f: not f.died))
 
 
 def _read_json(path: str) -> dict | None:
@@ -425,13 +463,13 @@ def print_summary(summary: dict) -> None:
                           ("overlong_skipped", "skipped {n} rows longer than the model's context (data.overlong=skip)"),
                           ("truncated", "truncated the prompts of {n} rows longer than the model's context")):
             if counts.get(key):
-                console.print(f"[yellow]{what.format(n=counts[key])} in {path}", soft_wrap=True)
+                console.print(f"[yellow]{what.format(n=counts[key])} in {escape(path)}", soft_wrap=True)
     stale = summary.get("stale", {})
     if any(stale.values()):
         console.print(f"[yellow]stale experience (buffer.max_staleness): {stale.get('dropped', 0)} shard(s) dropped, "
                       f"{stale.get('reweighted', 0)} re-weighted")
     for rank, how in summary.get("engines_lost", {}).items():
-        console.print(f"[yellow]engine lost: {how.split(': ')[0]}; the run finished on {summary['engines']} engine(s)",
+        console.print(f"[yellow]engine lost: {escape(how.split(': ')[0])}; the run finished on {summary['engines']} engine(s)",
                       soft_wrap=True)
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")

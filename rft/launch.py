@@ -249,6 +249,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     from rich.markup import escape
 
     from rft.monitor import write_json_atomic
+    from rft.runtime.pulse import SILENT_S
     from rft.report import (
         build_summary,
         console,
@@ -267,7 +268,8 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
     try:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
-                        on_slurm=on_slurm, engine_of=losable_engines(cfg), name_of=lambda rank: rank_name(cfg, rank))
+                        on_slurm=on_slurm, engine_of=losable_engines(cfg), name_of=lambda rank: rank_name(cfg, rank),
+                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S)  # its peers had their chance to time out
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
         console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from rft.buffer.taskset import file_counts
 from rft.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
+from rft.runtime.pulse import SILENT_S
 
 console = Console()
 
@@ -285,33 +286,42 @@ class EngineLosses:
 DEATH_REPORT_S = 3.0
 
 
-def silent_cause(failure: RankFailure, run_dir: str, log_dir: str, job_id: str, world_size: int,
-                 alive: Callable[[int], bool | None], name_of: Callable[[int], str]) -> RankFailure:
-    """`failure`, or when a rank that has not ended went silent (rft/runtime/pulse.py) the silent
-    one: the failed rank most likely timed out waiting for it."""
+def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive: Callable[[int], bool | None],
+                silent_for_s: float, besides: int | None = None) -> tuple[int, float] | None:
+    """A rank (not `besides`) whose pulse (rft/runtime/pulse.py) stopped `silent_for_s` ago or
+    more although its process has not ended, while another rank's pulse goes on: it is stopped
+    (SIGSTOP, a debugger) or hung. (rank, seconds silent). Nobody beating means the job is not
+    running (queued again after a requeue, or ending): no rank is blamed then."""
     from rft.job import pid_path
-    from rft.runtime.pulse import SILENT_S, silent_s
+    from rft.runtime.pulse import silent_s
 
-    for rank in range(world_size):
-        quiet = silent_s(pid_path(run_dir, rank))
-        if rank == failure.rank or quiet is None or quiet < SILENT_S or alive(rank) is False:
+    quiet = {rank: silent_s(pid_path(run_dir, rank)) for rank in range(world_size)}
+    if not any(q is not None and q < SILENT_S for q in quiet.values()):
+        return None
+    for rank, q in quiet.items():
+        if rank == besides or q is None or q < silent_for_s or alive(rank) is False:
             continue
-        if _task_result(log_dir, job_id, rank) is not None:  # it ended: its pulse stopped with it
-            continue
-        return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
-                           f"{name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (stopped by a signal "
-                           f"or a debugger, hung, or its node is unreachable); rank {failure.rank} then failed: "
-                           f"{failure.reason}")
-    return failure
+        if _task_result(log_dir, job_id, rank) is None:  # one that ended stops beating, too
+            return rank, q
+    return None
+
+
+def stopped_responding(rank: int, quiet: float, log_dir: str, job_id: str, name_of: Callable[[int], str],
+                       then: RankFailure | None = None) -> RankFailure:
+    after = f"; rank {then.rank} then failed: {then.reason}" if then else ""
+    return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
+                       f"{name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (stopped by a signal or "
+                       f"a debugger, hung, or its node is unreachable){after}")
 
 
 def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool, poll_s: float = 1.0,
           done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
           on_slurm: bool = False, engine_of: dict[int, int] | None = None,
-          name_of: Callable[[int], str] = lambda rank: f"rank {rank}") -> RankFailure | None:
+          name_of: Callable[[int], str] = lambda rank: f"rank {rank}", hang_s: float = 630.0) -> RankFailure | None:
     """Render progress until the job ends; return the first failed rank, if any (a lost engine's
-    ranks in `engine_of` are not the job's failure: EngineLosses). While it follows, the
-    launcher's ownership of the run directory stays fresh (rft/runtime/run_dir.py)."""
+    ranks in `engine_of` are not the job's failure: EngineLosses), or the rank silent for `hang_s`
+    while the others beat (`silent_rank`). While it follows, the launcher's ownership of the run
+    directory stays fresh (rft/runtime/run_dir.py)."""
     losses = EngineLosses(engine_of or {})
     from rft.runtime.run_dir import HEARTBEAT_S, heartbeat
 
@@ -335,8 +345,17 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 time.sleep(DEATH_REPORT_S)
                 failures = find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
                 failure = losses.fatal(sorted(failures, key=lambda f: not f.died)) or failure
-                return failure if failure.died else silent_cause(failure, run_dir, log_dir, job.job_id, world_size,
-                                                                 alive, name_of)
+                if failure.died:
+                    return failure
+                # a rank that timed out waiting: the one it waited for may be stopped, or waiting itself
+                silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive or local_rank_alive(run_dir),
+                                     SILENT_S, besides=failure.rank)
+                return failure if silent is None else stopped_responding(*silent, log_dir, job.job_id, name_of, failure)
+            # no rank failed, but one went silent longer than its peers would wait for it (a stopped
+            # rank that hosts the control store leaves them waiting on the store, with no timeout)
+            silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive or local_rank_alive(run_dir), hang_s)
+            if silent is not None:
+                return stopped_responding(*silent, log_dir, job.job_id, name_of)
             endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))
             if endpoints:  # rollout.openai_api: say where agents can reach the policy, once
                 shown_endpoints = True

@@ -5,6 +5,8 @@ import os
 import pickle
 import time
 
+import pytest
+
 from rft.report import RankFailure, _exception_line, find_failure
 
 
@@ -37,3 +39,39 @@ def test_a_vanished_rank_without_a_result_is_reported(tmp_path):
     failure = find_failure(str(tmp_path), str(tmp_path), "78", 2, alive=lambda rank: rank != 1)
     assert failure is not None and failure.rank == 1 and "exited without a result" in failure.reason
     assert find_failure(str(tmp_path), str(tmp_path), "78", 2, alive=lambda rank: True) is None
+
+
+def _pulse(run_dir, rank, seconds_ago):
+    from rft.job import pid_path
+
+    path = pid_path(str(run_dir), rank)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("1")
+    at = time.time() - seconds_ago
+    os.utime(path, (at, at))
+
+
+def test_a_rank_silent_while_its_peers_beat_is_named_as_stopped(tmp_path):
+    from rft.report import silent_rank, stopped_responding
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    for rank, ago in ((0, 1), (1, 90), (2, 2)):  # rank 1 stopped 90 s ago; the others beat
+        _pulse(tmp_path, rank, ago)
+    alive = lambda rank: True  # noqa: E731  (a stopped process lives)
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60) == (1, pytest.approx(90, abs=2))
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 120) is None  # not silent that long yet
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60, besides=1) is None
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, lambda rank: rank != 1, 60) is None  # it ended: not stopped
+    _result(logs, "5", 1, "ValueError: x", time.time())
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60) is None  # it reported: not stopped
+    for rank in (0, 2):
+        _pulse(tmp_path, rank, 300)  # nobody beats (a requeued job waiting in the queue): nobody is blamed
+    assert silent_rank(str(tmp_path), str(logs), "6", 3, alive, 60) is None
+
+    then = RankFailure(2, "x.err", "TimeoutError: rollout rank 2: trainer rank 0 did not reach 'a' within 60s")
+    said = stopped_responding(1, 90.0, str(logs), "5", lambda rank: f"trainer rank {rank}", then)
+    assert said.rank == 1 and said.log_path == os.path.join(logs, "5_1_log.err")
+    assert said.reason.startswith("trainer rank 1 stopped responding: no heartbeat for 90 s")
+    assert said.reason.endswith("rank 2 then failed: " + then.reason)

@@ -133,17 +133,18 @@ def resumed_from(run_dir: str, log: str) -> int:
     return int(match.group(1)) if match else 0
 
 
-def launch(args: list[str], env: dict[str, str], log: str, outside: tuple[str, int] | None, run_dir: str,
+def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[str, int]], run_dir: str,
            cluster: str) -> dict:
-    """One launch to its end; what it did: rc, seconds, the launcher's failure line, resumed-from step."""
+    """One launch to its end, acting out the `outside` faults (kind, step) in turn; what it did:
+    rc, seconds, the launcher's failure line, resumed-from step."""
     start = time.time()
     with open(log, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *args], cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
-        acted_at = None
+        acted_at, todo = None, list(outside)
         while launcher.poll() is None:
-            if outside and acted_at is None and progress_step(run_dir) >= outside[1]:
-                act_from_outside(outside[0], launcher, run_dir, log, cluster)
+            if todo and progress_step(run_dir) >= todo[0][1]:
+                act_from_outside(todo.pop(0)[0], launcher, run_dir, log, cluster)
                 acted_at = time.time()
             if time.time() - start > 900:
                 os.killpg(launcher.pid, signal.SIGTERM)
@@ -222,7 +223,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
             if not repaired_inside(carried[-1][0], cluster):
                 break
         inside = [f"{k}@{s}" + (f"#{r}" if r is not None else "") for k, s, r in carried if k not in OUTSIDE]
-        outside = next(((k, s) for k, s, _ in carried if k in OUTSIDE), None)
+        outside = [(k, s) for k, s, _ in carried if k in OUTSIDE]
         env = {**os.environ, "RFT_FAULTS": ",".join(inside)} if inside else dict(os.environ)
         log = os.path.join(out, f"launch{len(launches):02d}.log")
         result = launch(overrides(run_dir, grpo_steps, cluster), env, log, outside, run_dir, cluster)
@@ -230,7 +231,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
         launches.append(result)
         times = fault_times(run_dir)
         ender = carried[-1] if carried else None
-        struck = result["acted_at"] if outside else times.get((ender[0], ender[1])) if ender else None
+        struck = None if ender is None else result["acted_at"] if ender[0] in OUTSIDE else times.get(ender[:2])
         result["detected_s"] = result["ended"] - struck if struck and result["rc"] != 0 else None
         newest = newest_complete(run_dir, [*TRAINERS, ROLLOUT])
         result["checkpoint_after"] = newest.done if newest else 0  # what launching again should resume from
@@ -275,7 +276,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
         reference = os.path.join(out, "reference")
         console.print(f"the uninterrupted run to compare with: {reference}")
         done = launch(overrides(reference, grpo_steps, cluster), dict(os.environ),
-                      os.path.join(out, "reference.log"), None, reference, cluster)
+                      os.path.join(out, "reference.log"), [], reference, cluster)
         if done["rc"] != 0:
             raise SystemExit(f"the uninterrupted run failed; see {out}/reference.log")
         found = run_differences(reference, run_dir, SFT_STEPS + grpo_steps,

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
 import traceback
 
 from omegaconf import OmegaConf
@@ -51,11 +50,7 @@ def run_rank(config: dict, master_port: int) -> dict:
     try:
         return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
     except Exception as err:  # not a Ctrl-C or a cancel: the whole job is ending then
-        # marked while submitit writes the rank's outcome for the launcher, not before: with rank
-        # 0 gone too, reaching its store takes seconds, and the launcher would first hear of a
-        # peer's error ("connection reset") instead of this rank's death. The interpreter waits
-        # for this (non-daemon) thread before the task exits.
-        threading.Thread(target=_mark_lost, args=(config, master_port, err), name="rft-mark-lost").start()
+        _mark_lost(config, master_port, err)
         raise
 
 

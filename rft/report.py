@@ -283,7 +283,32 @@ class EngineLosses:
         return next((f for f in failures if f.rank not in self.engine_of or not left), None)
 
 
-DEATH_REPORT_S = 3.0
+DEATH_REPORT_S = 20.0
+
+
+def _root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: str, job_id: str, world_size: int,
+                alive: Callable[[int], bool | None] | None, on_slurm: bool) -> RankFailure:
+    """The failure to report, once `first` is seen. A rank killed by a signal reports after its
+    supervisor cleaned up and told the job's store (seconds, when the store went down with rank
+    0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
+    until a rank that died reports or every rank has ended, reported or gone silent; a death wins."""
+    from rft.job import pid_path
+    from rft.runtime.pulse import silent_s
+
+    alive = alive or local_rank_alive(run_dir)
+    deadline = time.monotonic() + DEATH_REPORT_S
+
+    def accounted(rank: int) -> bool:  # ended, reported, or stopped (silent: it will never report)
+        quiet = silent_s(pid_path(run_dir, rank))
+        return alive(rank) is False or _task_result(log_dir, job_id, rank) is not None or \
+            (quiet is not None and quiet >= SILENT_S)
+
+    while True:
+        failures = find_failures(run_dir, log_dir, job_id, world_size, alive, on_slurm)
+        settled = all(accounted(rank) for rank in range(world_size))
+        if any(f.died for f in failures) or settled or time.monotonic() > deadline:
+            return losses.fatal(sorted(failures, key=lambda f: not f.died)) or first
+        time.sleep(0.5)
 
 
 def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive: Callable[[int], bool | None],
@@ -340,11 +365,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 beat = time.monotonic()
             failure = losses.fatal(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm))
             if failure is not None:
-                # a rank killed by a signal reports after its supervisor cleaned up, and a peer's
-                # error ("connection reset") may land first: give the dead one's report a moment
-                time.sleep(DEATH_REPORT_S)
-                failures = find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
-                failure = losses.fatal(sorted(failures, key=lambda f: not f.died)) or failure
+                failure = _root_cause(failure, losses, run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
                 if failure.died:
                     return failure
                 # a rank that timed out waiting: the one it waited for may be stopped, or waiting itself

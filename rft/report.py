@@ -287,7 +287,7 @@ DEATH_REPORT_S = 20.0
 
 
 def _root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: str, job_id: str, world_size: int,
-                alive: Callable[[int], bool | None] | None, on_slurm: bool) -> RankFailure:
+                alive: Callable[[int], bool | None], on_slurm: bool) -> RankFailure:
     """The failure to report, once `first` is seen. A rank killed by a signal reports after its
     supervisor cleaned up and told the job's store (seconds, when the store went down with rank
     0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
@@ -295,7 +295,6 @@ def _root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir:
     from rft.job import pid_path
     from rft.runtime.pulse import silent_s
 
-    alive = alive or local_rank_alive(run_dir)
     deadline = time.monotonic() + DEATH_REPORT_S
 
     def accounted(rank: int) -> bool:  # ended, reported, or stopped (silent: it will never report)
@@ -348,6 +347,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
     while the others beat (`silent_rank`). While it follows, the launcher's ownership of the run
     directory stays fresh (rft/runtime/run_dir.py)."""
     losses = EngineLosses(engine_of or {})
+    alive = alive or local_rank_alive(run_dir)
     from rft.runtime.run_dir import HEARTBEAT_S, heartbeat
 
     done = done or job.done
@@ -369,12 +369,11 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 if failure.died:
                     return failure
                 # a rank that timed out waiting: the one it waited for may be stopped, or waiting itself
-                silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive or local_rank_alive(run_dir),
-                                     SILENT_S, besides=failure.rank)
+                silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, SILENT_S, besides=failure.rank)
                 return failure if silent is None else stopped_responding(*silent, log_dir, job.job_id, name_of, failure)
             # no rank failed, but one went silent longer than its peers would wait for it (a stopped
             # rank that hosts the control store leaves them waiting on the store, with no timeout)
-            silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive or local_rank_alive(run_dir), hang_s)
+            silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, hang_s)
             if silent is not None:
                 return stopped_responding(*silent, log_dir, job.job_id, name_of)
             endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))

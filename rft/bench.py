@@ -73,8 +73,8 @@ def write_tables(out_dir: str, rows: list[dict]) -> tuple[str, str]:
 
 
 def run_bench(cfg: RFTConfig) -> dict:
-    from rft.buffer.context_fit import ContextFit
-    from rft.buffer.taskset import read_stage_tasks
+    from rft.data.context_fit import ContextFit
+    from rft.data.taskset import read_stage_tasks
     from rft.config import context_length
     from rft.explorer.model_client import Sampling
     from rft.explorer.runner import WorkflowRunner

@@ -18,6 +18,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig, OmegaConf
 
+from rft.data.config import ReplayConfig, SelectorConfig
+
 
 @dataclass
 class TinyModelConfig:
@@ -78,6 +80,8 @@ class DataConfig:
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
     from_env: Optional[EnvTasksConfig] = None  # if set, rollout.env writes train/eval files before launch
     messages_key: str = "messages"  # SFT rows: a column of chat messages trains every assistant turn
+    selector: SelectorConfig = field(default_factory=SelectorConfig)  # which tasks each step explores
+    operators: list[Any] = field(default_factory=list)  # task operators run on train_path before the stage (rft/data/task_operators.py)
 
 
 LR_DECAYS = ("constant", "linear", "cosine")  # algorithm.lr_decay (rft/trainer/optimizer.py)
@@ -211,6 +215,8 @@ class BufferConfig:
     poll_s: float = 0.002  # how often the trainer looks for a new shard (one directory listing)
     max_staleness: Optional[int] = None  # a shard whose weights are more trainer steps old is stale (None: no limit)
     stale: str = "drop"  # drop: skip its step, keep it as <name>.stale | reweight: train it with truncated IS
+    operators: list[Any] = field(default_factory=list)  # experience operators between workflow and buffer (rft/buffer/operators.py)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)  # experience trained on again (rft/buffer/replay.py)
 
 
 @dataclass
@@ -262,10 +268,11 @@ class StageConfig:
     """One stage of a multi-stage run: a name plus overrides of the top-level sections."""
 
     name: str = MISSING  # stage name (TensorBoard prefix-free; summary row)
-    algorithm: Optional[dict[str, Any]] = None  # overrides of `algorithm`
-    trainer: Optional[dict[str, Any]] = None  # overrides of `trainer`
-    rollout: Optional[dict[str, Any]] = None  # overrides of `rollout`
-    data: Optional[dict[str, Any]] = None  # overrides of `data`
+    # empty rather than None, so `+stages.1.data.selector.name=difficulty` can add to a stage's section
+    algorithm: dict[str, Any] = field(default_factory=dict)  # overrides of `algorithm`
+    trainer: dict[str, Any] = field(default_factory=dict)  # overrides of `trainer`
+    rollout: dict[str, Any] = field(default_factory=dict)  # overrides of `rollout`
+    data: dict[str, Any] = field(default_factory=dict)  # overrides of `data`
 
 
 @dataclass
@@ -370,7 +377,7 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
 
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
-OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/buffer/context_fit.py)
+OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/data/context_fit.py)
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -416,7 +423,7 @@ def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
 def context_length(model: ModelConfig) -> int:
     """Tokens of prompt + response rft gives the model: `model.max_seq_len`, capped by the model's
     max_position_embeddings. vLLM's max_model_len; every taskset row is fitted into it
-    (rft/buffer/context_fit.py), so a trainer microbatch holds at most micro_batch_size x this."""
+    (rft/data/context_fit.py), so a trainer microbatch holds at most micro_batch_size x this."""
     hf = _hf_config(model) or {}
     return min(model.max_seq_len, hf.get("max_position_embeddings") or model.max_seq_len)
 
@@ -547,6 +554,19 @@ def _check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
             config_error(f"{prefix}rollout.{key}", value, f"use {least} or more")
     if not rollout.task_timeout_s > 0:
         config_error(f"{prefix}rollout.task_timeout_s", rollout.task_timeout_s, "use a positive number of seconds")
+
+
+def _check_data_pipeline(prefix: str, stage: RFTConfig) -> None:
+    """The stage's task selector and task operators, and the run's experience operators and replay
+    (rft/data/config.py): each a built-in or a dotted path, with arguments it takes."""
+    from rft.buffer.operators import EXPERIENCE_OPERATORS
+    from rft.data.config import check_operators, check_replay, check_selector
+    from rft.data.task_operators import TASK_OPERATORS
+
+    check_selector(prefix, stage.data.selector, needs_rollouts(stage))
+    check_operators(f"{prefix}data.operators", stage.data.operators, TASK_OPERATORS)
+    check_operators("buffer.operators", stage.buffer.operators, EXPERIENCE_OPERATORS)
+    check_replay(stage.buffer.replay)
 
 
 def world_size(cfg: RFTConfig) -> int:
@@ -714,6 +734,7 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "DPO trains offline on preference pairs: run it with mode=train")
         _check_rollout_plugins(prefix, stage)
+        _check_data_pipeline(prefix, stage)
         if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
             config_error(f"{prefix}algorithm.group_size", algo.group_size,
                   f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")

@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rft.buffer.taskset import file_counts
+from rft.data.taskset import file_counts
 from rft.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
 from rft.runtime.pulse import SILENT_S
 

@@ -408,6 +408,18 @@ class ExperienceBuffer:
             _fsync_dir(self.root)
         return reopened
 
+    def read_consumed(self, name: str) -> pa.Table:
+        """A consumed shard's rows again (priority replay, rft/buffer/replay.py), checked against
+        its manifest entry: ShardCorruptError if the bytes changed since it was written."""
+        path = os.path.join(self.root, name + ".done")
+        with open(path, "rb") as f:
+            data = f.read()
+        entry = self._manifest_entry(name)
+        if entry is None or (len(data), hashlib.sha256(data).hexdigest()) != (entry["bytes"], entry["sha256"]):
+            raise ShardCorruptError(f"consumed shard {path} no longer matches {MANIFEST}")
+        reader = pa.BufferReader(data)
+        return pq.read_table(reader) if name.endswith(".parquet") else ipc.open_file(reader).read_all()
+
     # ---- inspection ------------------------------------------------------------------------
 
     def pending(self) -> list[str]:

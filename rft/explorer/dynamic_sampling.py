@@ -1,5 +1,5 @@
-"""Dynamic sampling (DAPO): keep the groups a sample filter accepts, generate more until a step's
-batch is full."""
+"""Dynamic sampling (DAPO): keep the groups the sample filter and the experience operators leave,
+generate more until a step's batch is full."""
 
 from __future__ import annotations
 
@@ -11,13 +11,30 @@ from rft.algorithms.advantages import group_index
 from rft.buffer.experience import Experience
 
 
-def run_filtered(generate: Callable[[int, int], list[Experience]], sample_filter: Callable, tasks: int,
+Rows = list[Experience]
+
+
+def filter_rows(sample_filter: Callable) -> Callable[[Rows], Rows]:
+    """A sample filter (rft/algorithms/filters.py: a keep mask from rewards and group ids) as a
+    step on rows, like an experience operator (rft/buffer/operators.py)."""
+    def apply(experiences: Rows) -> Rows:
+        if not experiences:
+            return experiences
+        rewards = torch.tensor([float(e.reward) for e in experiences])
+        keep = sample_filter(rewards, group_index([e.group_id for e in experiences])).tolist()
+        return [e for e, k in zip(experiences, keep) if k]
+
+    return apply
+
+
+def run_filtered(generate: Callable[[int, int], Rows], process: Callable[[Rows], Rows], tasks: int,
                  max_rounds: int, kept_by_all: Callable[[int, int], int] = lambda kept, _round: kept,
-                 ) -> tuple[list[Experience], dict[str, float]]:
-    """Generate `tasks` groups, drop those the filter rejects (e.g. all rewards equal: zero
-    advantage, nothing to learn), and generate more until `tasks` groups are kept or `max_rounds`
-    rounds ran. `generate(num_tasks, round)` returns the experiences of that many tasks (their
-    groups named by `group_id`; a task whose samples all failed has none).
+                 ) -> tuple[Rows, dict[str, float]]:
+    """Generate `tasks` groups, `process` them (the sample filter, then the experience operators:
+    drop groups with all rewards equal, zero advantage, nothing to learn; shape rewards), and
+    generate more until `tasks` groups are kept or `max_rounds` rounds ran. `generate(num_tasks,
+    round)` returns the experiences of that many tasks (their groups named by `group_id`; a task
+    whose samples all failed has none).
     Returns at most `tasks` groups (fewer if rounds ran out; all of the first round if none was
     kept) and counts for the log.
 
@@ -34,10 +51,7 @@ def run_filtered(generate: Callable[[int, int], list[Experience]], sample_filter
         experiences = generate(missing, round_index)
         first = experiences if first is None else first
         generated += missing
-        if experiences:
-            rewards = torch.tensor([float(e.reward) for e in experiences])
-            keep = sample_filter(rewards, group_index([e.group_id for e in experiences])).tolist()
-            kept += [e for e, k in zip(experiences, keep) if k]
+        kept += process(experiences)
         kept_total = kept_by_all(len({e.group_id for e in kept}), round_index)
     if kept_total == 0:  # nothing passed: train on the first round (zero advantages) rather than stall
         kept = first or []

@@ -3,7 +3,9 @@
     for each stage:
         evaluate (stage start)
         for each step:
-            experiences = workflow(task) x group_size for the step's tasks   # vLLM, env, reward
+            tasks = selector.next_batch()                 # rft/data/selectors.py (data.selector)
+            experiences = workflow(task) x group_size for each task   # vLLM, env, reward
+            selector.observe(rewards); experiences = operators(experiences)   # rft/buffer/operators.py
             buffer.write(experiences)
             for each trainer step this step meets:       # rft/schedule.py (sync.offset)
                 vote at its control point                 # stop? checkpoint? (rft/runtime/control.py)
@@ -20,15 +22,18 @@ import torch
 
 from rft import faults
 from rft.algorithms.filters import SAMPLE_FILTERS
-from rft.buffer.context_fit import ContextFit
 from rft.buffer.experience import Experience, to_table
+from rft.buffer.operators import OperatorContext, OperatorPipeline
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import Task, TaskCursor, read_stage_tasks, row_scalars
+from rft.data.config import operator_specs
+from rft.data.context_fit import ContextFit
+from rft.data.selectors import SELECTORS, build_selector
+from rft.data.taskset import Task, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume
 from rft.cluster import RankInfo, engine_count, engine_index, engine_leaders, losable_members, sync_layout
 from rft.config import RFTConfig, adapter_sync, context_length, needs_rollouts, vllm_lora_rank
 from rft.explorer.dealer import Dealer
-from rft.explorer.dynamic_sampling import run_filtered
+from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
@@ -121,7 +126,10 @@ class Explorer:
         # rollout rank's number keeps the seeds that single-engine runs had
         self.first_rollout_rank = info.trainer_ranks
         self.runner: WorkflowRunner | None = None
-        self.cursor: TaskCursor | None = None
+        self.selector = None  # the stage's task selector (rft/data/selectors.py); None: nothing to explore
+        tokenizer = engines[0].tokenizer
+        self.operators = OperatorPipeline(operator_specs(cfg.buffer.operators),
+                                          OperatorContext(run_dir, engine=self.engine, decode=tokenizer.decode))
         self.eval_tasks: list[Task] = []
         self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
 
@@ -150,19 +158,22 @@ class Explorer:
         columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
         fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, context_length(cfg.model), data.overlong)
 
-        def tasks(path: str) -> list[Task]:
-            read = read_stage_tasks(path, data, rows, required=columns)
+        def tasks(path: str, train: bool = False) -> list[Task]:
+            cleaned_in = (cfg.run.output_dir, stage.name) if train else None  # data.operators clean the train set
+            read = read_stage_tasks(path, data, rows, required=columns, cleaned_in=cleaned_in)
             if "prompt" not in columns:  # the environment writes the prompt: the conversation keeps to the context
                 return read
             return fit.for_rollouts(read, path, rollout.max_new_tokens, rows)
 
         self.eval_tasks = tasks(data.eval_path)[: data.eval_limit] if data.eval_path else []
-        self.cursor = None
+        self.selector = None
         if needs_rollouts(stage.cfg):
-            self.cursor = self.runtime.state.track("cursor", TaskCursor(tasks(data.train_path), cfg.seed + stage.index),
-                                                   restore=stage.resumed)
+            # tracked as "cursor": a checkpoint of the plain cursor resumes into the shuffle selector
+            selector = build_selector(tasks(data.train_path, train=True), cfg.seed + stage.index, data.selector)
+            self.selector = self.runtime.state.track("cursor", selector, restore=stage.resumed)
+            self.observes = not SELECTORS.meta(type(selector)).get("ignores_rewards")
         if not stage.resumed:
-            files = [data.eval_path] + ([data.train_path] if self.cursor else [])
+            files = [data.eval_path] + ([data.train_path] if self.selector else [])
             self.runtime.log(stage, stage.start, row_scalars(rows, files))
             self.evaluate(stage, "start", stage.start)
 
@@ -174,7 +185,7 @@ class Explorer:
 
     def explore(self, stage: Stage, step: Step) -> dict[str, float]:
         """Generate the step's experience and write it as this rank's shard of the step."""
-        if self.cursor is None:  # a dataset stage (SFT): the explorer only evaluates
+        if self.selector is None:  # a dataset stage (SFT): the explorer only evaluates
             return {}
         self.resend_quarantined()
         algo, rollout = stage.cfg.algorithm, stage.cfg.rollout
@@ -184,14 +195,17 @@ class Explorer:
 
         def generate(num_tasks: int, round_index: int) -> list[Experience]:
             key = (self.cfg.seed, step.global_step, round_index, self.first_rollout_rank)
-            outcomes.append(self._run_dealt(self.cursor.next_batch(num_tasks), algo.group_size, sampling, key,
-                                            f"{step.global_step}:{round_index}"))
+            batch = f"{step.global_step}:{round_index}"
+            outcomes.append(self._run_dealt(self.selector.next_batch(num_tasks), algo.group_size, sampling, key, batch))
+            self._observe(outcomes[-1].experiences, batch)
             return outcomes[-1].experiences
 
         def kept_by_all(kept: int, round_index: int) -> int:
             return self.dealer.total(f"kept:{step.global_step}:{round_index}", kept)
 
-        experiences, filter_stats = run_filtered(generate, SAMPLE_FILTERS.resolve(algo.sample_filter),
+        sample_filter = filter_rows(SAMPLE_FILTERS.resolve(algo.sample_filter))
+        self.operators.ctx.step = step.global_step
+        experiences, filter_stats = run_filtered(generate, lambda rows: self.operators(sample_filter(rows)),
                                                  rollout.tasks_per_step, rollout.max_sampling_rounds, kept_by_all)
         sessions = self._sessions()  # rollout.openai_api: what agents outside the run finished
         experiences += sessions
@@ -206,8 +220,20 @@ class Explorer:
         return {"timing/rollout_s": generated - start, "timing/buffer_write_s": written - generated,
                 "perf/tokens_per_s": sum(e.sampled_tokens for e in experiences) / max(generated - start, 1e-9),
                 **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats, **self._judge_scalars(),
+                **self.operators.take_scalars(), **self.selector.scalars(),
                 **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {}),
                 **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {})}
+
+    def _observe(self, experiences: list[Experience], batch: str) -> None:
+        """Tell the selector each trajectory's reward (before any operator reshapes it); with
+        several engines every engine's, so that every engine's selector stays the same."""
+        if not self.observes:
+            return
+        trajectories = {e.trajectory_id: e for e in experiences}.values()  # step_wise: one per trajectory
+        seen = [(e.task_id, float(e.reward)) for e in trajectories]
+        if self.dealer.count > 1:
+            seen = [pair for share in self.dealer.gather(f"observe:{batch}", seen).values() for pair in share]
+        self.selector.observe([task for task, _ in seen], [reward for _, reward in seen])
 
     def _run_dealt(self, tasks: list[Task], samples: int, sampling: Sampling, key: tuple, batch: str,
                    evaluation: bool = False) -> Outcome:

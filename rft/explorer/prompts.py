@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 
 
 def format_prompt(task: Task, tokenizer, chat_template: bool) -> str:

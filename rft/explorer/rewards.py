@@ -47,7 +47,7 @@ from rft.registry import Registry
 
 if TYPE_CHECKING:
     from rft.buffer.experience import Experience
-    from rft.buffer.taskset import Task
+    from rft.data.taskset import Task
 
 REWARDS = Registry("reward", params=("trajectory", "task"), variants={"batch": ("trajectories", "tasks")},
                    returns="float")

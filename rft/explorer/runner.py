@@ -25,7 +25,7 @@ import traceback
 from dataclasses import dataclass, field
 
 from rft.buffer.experience import Experience
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.config import RolloutConfig
 from rft.explorer.chat_format import chat_format
 from rft.explorer.dealer import Deal, local_deal

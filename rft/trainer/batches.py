@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 
 from rft.buffer.experience import from_table
+from rft.buffer.replay import ReplayPool
+from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
-from rft.buffer.taskset import Task, TaskCursor
+from rft.data.taskset import Task, TaskCursor
 from rft.cluster import RankInfo
 from rft.explorer.chat_format import chat_format, conversation_ids
 from rft.explorer.prompts import format_prompt, reference_response
@@ -68,29 +71,58 @@ class DatasetBatches:
         return StepBatch(prompt_ids=prompts, response_ids=responses)
 
 
+@dataclass
+class StepRows:
+    """A trainer step's experience: the step's fresh shards first, then reused rows (replayed
+    groups, groups a person labelled) appended after them."""
+
+    table: pa.Table
+    fresh_rows: int  # rows [0, fresh_rows) came from this step's shards
+    waited_s: float = 0.0  # seconds waited for the shards to appear
+    io_s: float = 0.0  # seconds of buffer I/O
+    scalars: dict[str, float] = field(default_factory=dict)  # replay/..., review/...
+
+    @property
+    def fresh(self) -> pa.Table:
+        return self.table.slice(0, self.fresh_rows)
+
+
 class ExperienceReader:
     """Trainer rank 0 claims each step's experience; every trainer rank gets its table (TP/DP
     split the rows). With `producers` (the job's engines, each writing one shard per step) a step
-    is their shards of it together; without (experience from elsewhere), one shard at a time."""
+    is their shards of it together; without (experience from elsewhere), one shard at a time.
+    With `replay` (buffer.replay) and `review` (a `review` operator), rank 0 adds groups trained
+    before and groups a person labelled (rft/buffer/replay.py, rft/buffer/review.py)."""
 
     def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float,
-                 producers: list[int] | None = None, lost: Callable[[list[int]], object] | None = None):
+                 producers: list[int] | None = None, lost: Callable[[list[int]], object] | None = None,
+                 replay: ReplayPool | None = None, review: ReviewIntake | None = None):
         self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
         self.producers, self.lost = producers, lost  # lost(missing): producers gone for good (engines lost)
+        self.replay, self.review = replay, review
         self.claims: list = []
         self.corrupt = 0  # shards quarantined for a bad checksum
 
-    def next_table(self) -> tuple[object, float, float]:
-        """(table, seconds waited for the shards to appear, seconds of buffer I/O)."""
+    def next_table(self, step: int) -> StepRows:
+        """Trainer step `step`'s rows (every trainer rank gets the same)."""
         start = time.time()
         payload = [None]
         if self.info.rank == 0:
             self.claims = self._claim()
-            payload = [pa.concat_tables([c.table for c in self.claims])]
+            fresh = pa.concat_tables([c.table for c in self.claims])
+            tables, scalars = [fresh], {}
+            for source in (self.replay, self.review):
+                if source is not None:
+                    table, counts = source.take(step)
+                    tables += [table] if table is not None else []
+                    scalars.update(counts)
+            table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else fresh
+            payload = [(table, fresh.num_rows, scalars)]
         if self.info.trainer_ranks > 1:
             dist.broadcast_object_list(payload, src=0)
+        table, fresh_rows, scalars = payload[0]
         waited = self.claims[0].waited_s if self.claims else 0.0
-        return payload[0], waited, time.time() - start - waited
+        return StepRows(table, fresh_rows, waited, time.time() - start - waited, scalars)
 
     def _claim(self) -> list:
         """The next step's claims. A shard that fails its checksum is quarantined (rft/buffer/shards.py)
@@ -106,10 +138,13 @@ class ExperienceReader:
                     "skipped: no explorer of this job can write it again"
                 print(f"rft: {err}; {then}", flush=True)
 
-    def commit(self, stale: bool = False) -> float:
-        """Mark the step's shards consumed, or with `stale` set them aside untrained."""
+    def commit(self, step: int, stale: bool = False) -> float:
+        """Mark the step's shards consumed (replay candidates from now on), or with `stale` set
+        them aside untrained."""
         start = time.time()
         for claim in self.claims:
             (self.buffer.set_aside_stale if stale else self.buffer.commit)(claim)
+        if self.replay is not None and self.claims and not stale:
+            self.replay.add(step, [(c.name, c.table) for c in self.claims])
         self.claims = []
         return time.time() - start

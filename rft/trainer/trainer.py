@@ -15,9 +15,13 @@ import time
 from dataclasses import replace
 
 
-from rft.buffer.context_fit import ContextFit
+from rft.data.context_fit import ContextFit
+from rft.buffer.replay import ReplayPool
+from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.buffer.taskset import TaskCursor, read_stage_tasks, row_scalars
+from rft.data.config import operator_specs
+from rft.data.selectors import build_selector
+from rft.data.taskset import read_stage_tasks, row_scalars
 from rft import faults
 from rft.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
 from rft.cluster import RankInfo, engine_leaders, losable_members
@@ -128,7 +132,24 @@ class Learner:
         lost = None
         if losable_members(cfg, info):  # rollout.on_engine_failure=continue: a lost engine's shards never come
             lost = lambda missing: lost_ranks(runtime.group.store, missing)  # noqa: E731
-        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers, lost)
+        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers, lost,
+                                       *self._reused_sources(buffer))
+
+    def _reused_sources(self, buffer: ExperienceBuffer) -> tuple[ReplayPool | None, ReviewIntake | None]:
+        """Rank 0's replay pool (buffer.replay) and review intake (a `review` operator), both run-long
+        checkpoint components; log lines of steps a resumed run trains again are dropped."""
+        cfg, runtime = self.cfg, self.runtime
+        if self.info.rank != 0 or cfg.mode != "both":
+            return None, None
+        replay = review = None
+        if cfg.buffer.replay.groups_per_step:
+            replay = runtime.state.track("replay", ReplayPool(buffer, cfg.buffer.replay, cfg.buffer.max_staleness,
+                                                              drop_stale=cfg.buffer.stale == "drop"))
+            if runtime.resumed_at is not None:
+                replay.resumed_at(runtime.resumed_at + 1)
+        if any(name == "review" for name, _ in operator_specs(cfg.buffer.operators)):
+            review = runtime.state.track("review", ReviewIntake(cfg.run.output_dir))
+        return replay, review
 
     def begin(self, stage: Stage) -> None:
         """The stage's optimizer, frozen reference, critic and dataset (restored if resumed here)."""
@@ -179,10 +200,11 @@ class Learner:
     def _dataset(self, stage: Stage) -> DatasetBatches:
         data, rows = stage.cfg.data, self.runtime.progress.rows
         fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, context_length(self.cfg.model), data.overlong)
-        tasks = read_stage_tasks(data.train_path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key)
+        tasks = read_stage_tasks(data.train_path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key,
+                                 cleaned_in=(self.cfg.run.output_dir, stage.name))
         tasks = fit.for_references(tasks, data.train_path, rows, preferences=self.is_dpo,
                                    messages_key=data.messages_key)
-        cursor = self.runtime.state.track("cursor", TaskCursor(tasks, self.cfg.seed + stage.index),
+        cursor = self.runtime.state.track("cursor", build_selector(tasks, self.cfg.seed + stage.index, data.selector),
                                           restore=stage.resumed)
         self.data_scalars = row_scalars(rows, [data.train_path])  # logged with the stage's first step
         return DatasetBatches(cursor, self.tokenizer, self.cfg.model.chat_template, data.messages_key)
@@ -192,11 +214,12 @@ class Learner:
         trainer, algo, drop = stage.cfg.trainer, self.algo, False
         start = time.time()
         if self.dataset is None:
-            table, waited, io_s = self.reader.next_table()
+            rows = self.reader.next_table(self.runtime.progress.global_step)
+            waited, io_s = rows.waited_s, rows.io_s
             start = time.time()  # preparing the batch counts as training
-            batch, scalars = experience_batch(table)
-            algo, drop = self._staleness(table, scalars)
-            scalars.update({"timing/wait_s": waited})
+            batch, scalars = experience_batch(rows.table)
+            algo, drop = self._staleness(rows, scalars)
+            scalars.update({"timing/wait_s": waited, **rows.scalars})
             if self.reader.corrupt:  # shards quarantined for a bad checksum and written again (or skipped)
                 scalars["buffer/corrupt_shards"] = float(self.reader.corrupt)
             if self.reader.producers and len(self.reader.producers) > 1:
@@ -221,7 +244,7 @@ class Learner:
             self.scheduler.step()
         trained = time.time()
         faults.strike("train", self.runtime.progress.global_step, self.info.rank, self.cfg.run.output_dir)
-        io_s += self.reader.commit(stale=drop)
+        io_s += self.reader.commit(self.runtime.progress.global_step, stale=drop)
         if self.dataset is None:
             scalars["timing/buffer_read_s"] = io_s
         self.runtime.progress.add(train_s=trained - start, buffer_s=io_s)
@@ -242,13 +265,17 @@ class Learner:
         if len(steps) > 1 and self.runtime.monitor is not None:
             self.runtime.monitor.log_optimizer_steps(first, steps)
 
-    def _staleness(self, table, scalars: dict[str, float]):
+    def _staleness(self, rows, scalars: dict[str, float]):
         """buffer.max_staleness: a shard whose weights are too many trainer steps old is dropped
-        (its step trains nothing) or re-weighted (truncated IS against vLLM's logprobs)."""
+        (its step trains nothing) or re-weighted (truncated IS against vLLM's logprobs). Reused rows
+        (replayed, labelled by a person) are old by design: they never drop a step, and a step
+        holding them is re-weighted the same way."""
         progress, limit = self.runtime.progress, self.cfg.buffer.max_staleness
-        lag = progress.global_step - 1 - min(table.column("version").to_pylist())  # trainer steps since its weights
+        lag = progress.global_step - 1 - min(rows.fresh.column("version").to_pylist())  # trainer steps since its weights
         scalars["policy/version_lag"] = lag
         algo, drop = self.algo, False
+        if rows.table.num_rows > rows.fresh_rows:
+            algo = replace(algo, tis_cap=algo.tis_cap or STALE_TIS_CAP)
         if limit is not None and lag > limit:
             drop = self.cfg.buffer.stale == "drop"
             progress.add(**{"stale_dropped" if drop else "stale_reweighted": 1})

@@ -44,7 +44,7 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
 
 
 def test_trainer_scores_vllm_sampled_turns_and_observations_get_no_gradient(tmp_path):
-    from rft.buffer.taskset import Task
+    from rft.data.taskset import Task
     from rft.config import ModelConfig, RolloutConfig, TinyModelConfig
     from rft.explorer.model_client import Sampling
     from rft.explorer.runner import WorkflowRunner

@@ -79,6 +79,34 @@ def leftovers(run_dir, ranks) -> list[str]:
     return found
 
 
+def wait_for_step(launcher: subprocess.Popen, run_dir, step: int, timeout_s: float = 600) -> None:
+    """Return once the run has done `step` steps; AssertionError if the launcher ends first."""
+    deadline = time.time() + timeout_s
+    while progress_step(run_dir) < step:
+        assert launcher.poll() is None and time.time() < deadline, f"the run ended or stalled before step {step}"
+        time.sleep(0.2)
+
+
+def kill_like_a_node_failure(launcher: subprocess.Popen, run_dir) -> None:
+    """SIGKILL the launcher (started with start_new_session=True) and every rank's process group,
+    vLLM engines included, and wait until they are gone: what a node failure leaves."""
+    import signal
+
+    os.killpg(launcher.pid, signal.SIGKILL)  # launcher, its submitit controller, the ranks
+    launcher.wait()
+    ranks = [int(p.stem[4:]) for p in (Path(run_dir) / "pids").glob("rank*.pid")]
+    for rank in ranks:
+        try:  # each rank leads a process group with its vLLM engine in it: a node failure ends both
+            os.killpg(int((Path(run_dir) / "pids" / f"rank{rank}.pid").read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for _ in range(50):  # SIGKILLed processes take a moment to go
+        if not leftovers(run_dir, ranks):
+            break
+        time.sleep(0.2)
+    assert not leftovers(run_dir, ranks)
+
+
 def stop_launcher(launcher: subprocess.Popen) -> None:
     """A test's cleanup: SIGTERM first (the launcher then stops its local ranks and vLLM engines;
     a SIGKILL would orphan them for the rest of the suite), SIGKILL if that does not end it."""

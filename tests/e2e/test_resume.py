@@ -17,13 +17,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.equivalence import EXPLORER_STATE, TRAINER_STATE
-from tests.e2e.helpers import REPO, assert_same_run, launch, launch_until_step, leftovers, tensorboard_scalars
+from tests.e2e.helpers import (REPO, assert_same_run, kill_like_a_node_failure, launch, launch_until_step,
+                               tensorboard_scalars, wait_for_step)
 
 SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
@@ -65,29 +65,9 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              env={**os.environ, "RFT_FAULTS": f"corrupt_shard@{TORN}"})
     try:
-        deadline = time.time() + 600
-        while True:
-            try:
-                step = json.loads((run_dir / "progress.json").read_text())["step"]
-            except (OSError, ValueError):
-                step = 0
-            if step >= CHECKPOINT + 2:
-                break
-            assert first.poll() is None and time.time() < deadline, "first attempt ended early"
-            time.sleep(0.2)
+        wait_for_step(first, run_dir, CHECKPOINT + 2)
     finally:
-        os.killpg(first.pid, signal.SIGKILL)  # launcher, its submitit controller, both ranks
-        first.wait()
-    for pid_file in (run_dir / "pids").glob("rank*.pid"):
-        try:  # each rank leads a process group with its vLLM engine in it: a node failure ends both
-            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    for _ in range(50):  # SIGKILLed processes take a moment to go
-        if not leftovers(run_dir, (0, 1)):
-            break
-        time.sleep(0.2)
-    assert not leftovers(run_dir, (0, 1))
+        kill_like_a_node_failure(first, run_dir)
     buffer = ExperienceBuffer(str(run_dir / "buffer"))
     written_after_checkpoint = [n for n in os.listdir(buffer.root) if n.startswith("step")
                                 and int(n[4:12]) >= explorer_saved]

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rft.buffer.experience import Experience
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.config import ModelConfig, RolloutConfig, TinyModelConfig
 from rft.explorer.envs.calculator import CalculatorEnv
 from rft.explorer.envs.grid_world import GridWorldEnv

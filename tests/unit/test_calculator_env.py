@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer import envs
 from rft.explorer.envs import ENVIRONMENTS, make_env, required_columns
 from rft.explorer.envs.calculator import DEFAULT_INSTRUCTIONS, CalculatorEnv

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from rft.buffer.context_fit import ContextFit
-from rft.buffer.taskset import Task, row_scalars
+from rft.data.context_fit import ContextFit
+from rft.data.taskset import Task, row_scalars
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.models.tiny import build_char_tokenizer
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rft.buffer.experience import Experience
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer.rewards import RewardScorer
 
 FEW = settings(max_examples=25, deadline=None, database=None)

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rft.buffer.context_fit import ContextFit
-from rft.buffer.taskset import Task, TaskCursor, read_taskset
+from rft.data.context_fit import ContextFit
+from rft.data.taskset import Task, TaskCursor, read_taskset
 from rft.models.tiny import CHARS, build_char_tokenizer
 
 # database=None: no .hypothesis/ folder left in the checkout; failures print their example anyway

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rft.buffer.experience import Experience
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer.rewards import REWARDS, RewardScorer, exact_match, gsm8k_gold, math_verify, math_verify_answer
 
 

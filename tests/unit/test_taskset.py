@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rft.buffer.taskset import Task, TaskCursor, read_taskset
+from rft.data.taskset import Task, TaskCursor, read_taskset
 
 
 def _write_lines(path, lines: list[str]) -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer import envs
 from rft.explorer.model_client import Conversation, ModelClient
 from rft.explorer.workflows import WorkflowContext

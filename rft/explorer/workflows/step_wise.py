@@ -12,7 +12,7 @@ hold, or to train every decision in the context it was made in.
 from __future__ import annotations
 
 from rft.buffer.experience import Experience
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer.model_client import ModelClient
 from rft.explorer.workflows import WORKFLOWS, WorkflowContext
 from rft.explorer.workflows.episode import play

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from rft.buffer.taskset import Task
+from rft.data.taskset import Task
 from rft.explorer.prompts import format_prompt, reference_response
 _EXAMPLES = 3  # overlong rows named in the rank's log per taskset
 _CHUNK = 1024  # rows tokenized per call: bounded memory on large tasksets

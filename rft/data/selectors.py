@@ -1,0 +1,216 @@
+"""Task selectors: which tasks each rollout step explores (`data.selector`).
+
+Registry SELECTORS; an entry is a class built as `cls(tasks, seed, config)` (`config`: the stage's
+rft.data.config.SelectorConfig; a user's selector reads its options from `config.args`) with
+
+    next_batch(n) -> list[Task]              the next n tasks (called once per generation round)
+    observe(task_ids, rewards) -> None       every sampled trajectory's reward, as the explorer sees it
+    scalars() -> dict[str, float]            selection statistics for TensorBoard (selector/...)
+    state_dict() / load_state_dict(state)    everything a resumed run needs to select the same tasks
+
+A selector is checkpointed with the explorer (it replaces the plain cursor), and draws its random
+numbers from `default_rng([seed, batches drawn])`, so a resumed run selects exactly what the
+uninterrupted one would. With several engines every engine holds an identical selector: each
+observes every engine's rewards of a round (rft/explorer/explorer.py gathers them), so all draw
+the same batch and the dealer can name a task by its index in it.
+
+Built-ins:
+    shuffle     every task once per epoch, epoch e in `default_rng(seed + e)` order (the default)
+    sequential  file order, wrapping around
+    curriculum  easy to hard by a difficulty column: batches come from the easiest share of the
+                tasks, a share that grows from start_fraction to all by pace_steps batches
+    difficulty  online: prefers tasks whose observed pass rate is near `target` (GRPO's advantages
+                are zero for a group that is all right or all wrong); tasks always or never solved
+                keep a small weight (`floor`), so they are revisited less but not never
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+
+from rft.data.config import SelectorConfig
+from rft.data.taskset import Task, TaskCursor
+from rft.registry import Registry
+
+SELECTORS = Registry("task selector", params=("next_batch", "observe", "scalars", "state_dict", "load_state_dict"),
+                     is_class=True)
+
+
+def build_selector(tasks: list[Task], seed: int, config: SelectorConfig):
+    """The stage's selector over `tasks` (config.name: a built-in or a dotted path to a class)."""
+    return SELECTORS.resolve(config.name)(tasks, seed, config)
+
+
+def _check_size(state: dict, tasks: int, seed: int, name: str) -> None:
+    """A checkpoint of another taskset or seed would select other tasks: refuse it with the fix."""
+    for key, mine in (("num_tasks", tasks), ("seed", seed)):
+        if key in state and int(state[key]) != mine:
+            raise ValueError(f"{name} selector checkpoint has {key}={state[key]} but this run has {key}={mine}; "
+                             "resuming would select other tasks: use the same taskset and seed, or start a fresh run")
+
+
+@SELECTORS.register("shuffle", ignores_rewards=True)
+class Shuffle(TaskCursor):
+    """Today's cursor: a new permutation each epoch; rewards are not looked at."""
+
+    def __init__(self, tasks: list[Task], seed: int, config: SelectorConfig | None = None):
+        super().__init__(tasks, seed)
+
+    def observe(self, task_ids: Sequence[str], rewards: Sequence[float]) -> None:
+        pass
+
+    def scalars(self) -> dict[str, float]:
+        return {"selector/epoch": float(self.epoch)}
+
+
+@SELECTORS.register("sequential", ignores_rewards=True)
+class Sequential(Shuffle):
+    """The taskset in file order, over and over (e.g. a file already sorted by hand)."""
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm.size != len(self._tasks):
+            self._perm = np.arange(len(self._tasks))
+        return self._perm
+
+
+def _difficulties(tasks: list[Task], key: str) -> np.ndarray:
+    values = []
+    for task in tasks:
+        value = task.row.get(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValueError(f"data.selector.name=curriculum ranks tasks by the column data.selector.difficulty_key="
+                             f"{key!r}, but task {task.task_id} (row {task.index}) has {value!r}; give every row a "
+                             "number there (low = easy)")
+        values.append(float(value))
+    return np.asarray(values)
+
+
+@SELECTORS.register("curriculum", ignores_rewards=True)
+class Curriculum:
+    """Easy to hard: batch b is drawn from the easiest `open_fraction(b)` of the tasks."""
+
+    def __init__(self, tasks: list[Task], seed: int, config: SelectorConfig):
+        if not tasks:
+            raise ValueError("the curriculum selector needs at least one task")
+        difficulty = _difficulties(tasks, config.difficulty_key)
+        order = np.argsort(difficulty, kind="stable")  # ties keep file order
+        self.tasks = [tasks[i] for i in order]
+        self.difficulty = difficulty[order]
+        self.seed, self.config = int(seed), config
+        self.batches = 0
+        self.last_mean = 0.0
+
+    def open_fraction(self, batch: int) -> float:
+        cfg = self.config
+        progress = min(1.0, batch / cfg.pace_steps)
+        if cfg.pacing == "root":
+            progress = math.sqrt(progress)
+        elif cfg.pacing == "step":
+            progress = float(progress >= 1.0)
+        return cfg.start_fraction + (1.0 - cfg.start_fraction) * progress
+
+    def next_batch(self, n: int) -> list[Task]:
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        open_tasks = max(1, math.ceil(len(self.tasks) * self.open_fraction(self.batches)))
+        rng = np.random.default_rng([self.seed, self.batches])
+        chosen = rng.choice(open_tasks, size=n, replace=n > open_tasks)
+        self.batches += 1
+        self.last_mean = float(self.difficulty[chosen].mean())
+        return [self.tasks[i] for i in chosen]
+
+    def observe(self, task_ids: Sequence[str], rewards: Sequence[float]) -> None:
+        pass
+
+    def scalars(self) -> dict[str, float]:
+        return {"selector/open_fraction": self.open_fraction(max(self.batches - 1, 0)),
+                "selector/batch_difficulty": self.last_mean}
+
+    def state_dict(self) -> dict:
+        return {"batches": self.batches, "num_tasks": len(self.tasks), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_size(state, len(self.tasks), self.seed, "curriculum")
+        self.batches = int(state["batches"])
+
+
+@SELECTORS.register("difficulty", needs_rewards=True)
+class Difficulty:
+    """Prefer tasks whose pass rate is informative.
+
+    A task's pass rate is a smoothed mean, (solved + m g) / (tried + m), where g is the pass rate
+    of every sample so far and m = prior_samples: an unseen task is assumed as hard as the average
+    one rather than ideal, so informative tasks seen once are revisited before the unseen rest
+    (with a uniform prior an unseen task would look perfect at 0.5 and one epoch would crowd out
+    every revisit). Its weight is floor + (1 - floor) exp(-(p - target)^2 / 2 width^2), and a
+    batch is drawn without replacement in proportion to the weights.
+    """
+
+    def __init__(self, tasks: list[Task], seed: int, config: SelectorConfig):
+        if not tasks:
+            raise ValueError("the difficulty selector needs at least one task")
+        self.tasks, self.seed, self.config = list(tasks), int(seed), config
+        self.position = {t.task_id: i for i, t in enumerate(tasks)}
+        self.solved = np.zeros(len(tasks))
+        self.tried = np.zeros(len(tasks))
+        self.batches = 0
+        self.last_expected = 0.0
+
+    def pass_rates(self) -> np.ndarray:
+        cfg, tried = self.config, self.tried.sum()
+        overall = self.solved.sum() / tried if tried else cfg.target
+        m = cfg.prior_samples
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rates = (self.solved + m * overall) / (self.tried + m)
+        return np.where(self.tried + m > 0, rates, overall)
+
+    def weights(self) -> np.ndarray:
+        cfg = self.config
+        near = np.exp(-((self.pass_rates() - cfg.target) ** 2) / (2 * cfg.width ** 2))
+        return cfg.floor + (1.0 - cfg.floor) * near
+
+    def next_batch(self, n: int) -> list[Task]:
+        if n <= 0:
+            raise ValueError(f"batch size must be positive, got {n}")
+        weights = self.weights()
+        rng = np.random.default_rng([self.seed, self.batches])
+        distinct = min(n, len(self.tasks))  # a batch larger than the taskset repeats tasks
+        chosen = rng.choice(len(self.tasks), size=distinct, replace=False, p=weights / weights.sum())
+        if n > distinct:
+            chosen = np.concatenate([chosen, rng.choice(len(self.tasks), size=n - distinct, p=weights / weights.sum())])
+        self.batches += 1
+        self.last_expected = float(self.pass_rates()[chosen].mean())
+        return [self.tasks[i] for i in chosen]
+
+    def observe(self, task_ids: Sequence[str], rewards: Sequence[float]) -> None:
+        """Count each trajectory as solved when its reward reaches config.success_reward; rewards
+        of tasks not in this taskset (an endpoint's sessions) are ignored."""
+        for task_id, reward in zip(task_ids, rewards):
+            i = self.position.get(task_id)
+            if i is not None:
+                self.tried[i] += 1
+                self.solved[i] += float(reward) >= self.config.success_reward
+
+    def scalars(self) -> dict[str, float]:
+        seen = self.tried > 0
+        if not seen.any():
+            return {"selector/tasks_seen": 0.0}
+        rate = self.solved[seen] / self.tried[seen]
+        return {"selector/tasks_seen": float(seen.sum()),
+                "selector/pass_rate_seen": float(rate.mean()),
+                "selector/always_solved": float((rate == 1).mean()),
+                "selector/never_solved": float((rate == 0).mean()),
+                "selector/batch_expected_pass_rate": self.last_expected}
+
+    def state_dict(self) -> dict:
+        return {"solved": self.solved.tolist(), "tried": self.tried.tolist(), "batches": self.batches,
+                "num_tasks": len(self.tasks), "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_size(state, len(self.tasks), self.seed, "difficulty")
+        self.solved = np.asarray(state["solved"], dtype=float)
+        self.tried = np.asarray(state["tried"], dtype=float)
+        self.batches = int(state["batches"])

@@ -1,0 +1,148 @@
+"""Task selectors (rft/data/selectors.py): what each one draws, and that a saved state resumes the
+same draws."""
+
+import numpy as np
+import pytest
+
+from rft.data.config import SelectorConfig
+from rft.data.selectors import SELECTORS, build_selector
+from rft.data.taskset import Task, TaskCursor
+
+
+def tasks(n: int, difficulty=None) -> list[Task]:
+    return [Task(index=i, prompt=f"q{i}", answer=str(i), row={"difficulty": difficulty(i) if difficulty else i})
+            for i in range(n)]
+
+
+def ids(batch: list[Task]) -> list[int]:
+    return [t.index for t in batch]
+
+
+def test_every_builtin_satisfies_the_contract_and_resumes_its_draws():
+    for name in SELECTORS.names():
+        config = SelectorConfig(name=name, pace_steps=4)
+        selector = build_selector(tasks(50), seed=3, config=config)
+        for _ in range(3):
+            batch = selector.next_batch(8)
+            selector.observe([t.task_id for t in batch], [float(t.index % 2) for t in batch])
+        saved = selector.state_dict()
+        ahead = [ids(selector.next_batch(8)) for _ in range(4)]
+        resumed = build_selector(tasks(50), seed=3, config=config)
+        resumed.load_state_dict(saved)
+        assert [ids(resumed.next_batch(8)) for _ in range(4)] == ahead, name
+        assert all(isinstance(v, float) for v in selector.scalars().values()), name
+
+
+def test_shuffle_is_the_plain_cursor_and_takes_its_checkpoints():
+    cursor, shuffle = TaskCursor(tasks(20), 5), build_selector(tasks(20), 5, SelectorConfig())
+    cursor.next_batch(7)
+    shuffle.load_state_dict(cursor.state_dict())  # a checkpoint written before selectors existed
+    assert ids(shuffle.next_batch(30)) == ids(cursor.next_batch(30))
+
+
+def test_sequential_walks_the_file_in_order_and_wraps():
+    selector = build_selector(tasks(5), 0, SelectorConfig(name="sequential"))
+    assert ids(selector.next_batch(3)) + ids(selector.next_batch(4)) == [0, 1, 2, 3, 4, 0, 1]
+
+
+def test_curriculum_opens_from_the_easiest_tasks_to_all():
+    # difficulty descends with the index: the easiest tasks are the last rows of the file
+    config = SelectorConfig(name="curriculum", start_fraction=0.1, pace_steps=10)
+    selector = build_selector(tasks(100, difficulty=lambda i: 100 - i), 0, config)
+    first = ids(selector.next_batch(20))
+    assert min(first) >= 90  # only the easiest 10% are open
+    for _ in range(9):
+        selector.next_batch(20)
+    assert selector.open_fraction(10) == 1.0
+    late = [i for _ in range(20) for i in ids(selector.next_batch(20))]
+    assert min(late) < 20  # the hardest are open now
+    assert selector.scalars()["selector/open_fraction"] == 1.0
+
+
+@pytest.mark.parametrize("pacing, half_open", [("linear", 0.55), ("root", 0.1 + 0.9 * 0.5 ** 0.5), ("step", 0.1)])
+def test_curriculum_pacing(pacing, half_open):
+    selector = build_selector(tasks(10), 0, SelectorConfig(name="curriculum", start_fraction=0.1, pace_steps=10,
+                                                           pacing=pacing))
+    assert selector.open_fraction(5) == pytest.approx(half_open)
+    assert selector.open_fraction(10) == 1.0
+
+
+def test_curriculum_names_the_row_without_a_difficulty():
+    broken = tasks(3) + [Task(index=3, prompt="q", answer="1", row={"question": "q"})]
+    with pytest.raises(ValueError, match=r"difficulty_key='difficulty', but task 3 \(row 3\) has None"):
+        build_selector(broken, 0, SelectorConfig(name="curriculum"))
+
+
+def test_difficulty_prefers_tasks_it_sees_solved_sometimes():
+    """Tasks 0-9 are always solved, 10-19 never, 20-29 half the time: after three groups of each
+    (pass rates 13/14, 1/14 and 1/2 with the prior), the half-solved ones weigh 8.5 times more
+    and are drawn far more often than either of the others."""
+    selector = build_selector(tasks(30), 0, SelectorConfig(name="difficulty"))
+    for t in tasks(30) * 3:  # three groups of 4 samples each
+        rewards = [1.0] * 4 if t.index < 10 else [0.0] * 4 if t.index < 20 else [1.0, 0.0, 1.0, 0.0]
+        selector.observe([t.task_id] * 4, rewards)
+    assert selector.weights()[25] / selector.weights()[5] == pytest.approx(8.5, abs=0.1)
+    drawn = np.bincount([i for _ in range(200) for i in ids(selector.next_batch(5))], minlength=30)
+    always, never, half = drawn[:10].sum(), drawn[10:20].sum(), drawn[20:].sum()
+    assert half > 4 * max(always, never), (always, never, half)
+    assert always > 0 and never > 0  # the floor keeps them in play
+    stats = selector.scalars()
+    assert stats["selector/always_solved"] == pytest.approx(1 / 3) and stats["selector/never_solved"] == pytest.approx(1 / 3)
+
+
+def test_difficulty_revisits_informative_tasks_before_unseen_ones():
+    """With the run's pass rate as an unseen task's prior, a task seen half-solved outranks one not
+    seen yet when most tasks are solved (the quickstart after SFT)."""
+    selector = build_selector(tasks(100), 0, SelectorConfig(name="difficulty"))
+    for i in range(50):
+        selector.observe([str(i)] * 4, [1.0] * 4 if i else [1.0, 0.0, 0.0, 1.0])
+    weights = selector.weights()
+    assert weights[0] > 3 * weights[60] and weights[60] > weights[1]
+
+
+def test_difficulty_refuses_a_checkpoint_of_another_taskset():
+    selector = build_selector(tasks(10), 0, SelectorConfig(name="difficulty"))
+    other = build_selector(tasks(12), 0, SelectorConfig(name="difficulty"))
+    with pytest.raises(ValueError, match="num_tasks=12 but this run has num_tasks=10"):
+        selector.load_state_dict(other.state_dict())
+
+
+class EveryOther:
+    """A user's selector (by dotted path): the even rows in order, counting the rewards it saw."""
+
+    def __init__(self, tasks, seed, config):
+        self.tasks, self.position, self.seen = [t for t in tasks if t.index % 2 == 0], 0, 0
+
+    def next_batch(self, n):
+        out = [self.tasks[(self.position + i) % len(self.tasks)] for i in range(n)]
+        self.position += n
+        return out
+
+    def observe(self, task_ids, rewards):
+        self.seen += len(rewards)
+
+    def scalars(self):
+        return {"selector/seen": float(self.seen)}
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+def test_a_user_selector_by_dotted_path():
+    selector = build_selector(tasks(10), 0, SelectorConfig(name="tests.unit.test_selectors.EveryOther"))
+    assert ids(selector.next_batch(4)) == [0, 2, 4, 6]
+    assert SELECTORS.meta(type(selector)) == {}  # no ignores_rewards: the explorer tells it rewards
+
+
+def test_validation_names_bad_selector_settings():
+    from rft.data.config import check_selector
+
+    with pytest.raises(ValueError, match="data.selector.name"):
+        check_selector("", SelectorConfig(name="nope"), rollouts=True)
+    with pytest.raises(ValueError, match=r"stages\[sft\].data.selector.name.*rewards of rollouts"):
+        check_selector("stages[sft].", SelectorConfig(name="difficulty"), rollouts=False)
+    with pytest.raises(ValueError, match="data.selector.target"):
+        check_selector("", SelectorConfig(name="difficulty", target=1.5), rollouts=True)

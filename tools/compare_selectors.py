@@ -13,6 +13,7 @@ the bar the others must reach sooner). Last line: one JSON object.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import subprocess
@@ -33,13 +34,17 @@ def launch(overrides: list[str], log: str) -> None:
 def warm_up(root: str) -> str:
     """The SFT stage alone, exported as an HF model; its directory (made once, then reused)."""
     base = os.path.join(root, "sft")
-    export = os.path.join(base, "checkpoints", "hf", f"v{SFT_STEPS}")
-    if not os.path.isfile(os.path.join(export, "config.json")):
-        print(f"SFT warm-up ({SFT_STEPS} steps) -> {export}", flush=True)
+    if not glob.glob(os.path.join(base, "checkpoints", "hf", "v*", "config.json")):
+        print(f"SFT warm-up ({SFT_STEPS} steps) -> {base}/checkpoints/hf", flush=True)
         launch([f"run.output_dir={base}", "run.resume=never", "trainer.save_hf=true", f"trainer.save_interval={SFT_STEPS}",
                 "stages=[{name: sft, algorithm: {name: sft, policy_loss: sft, lr: 3.0e-3, warmup_steps: 20}, "
                 f"trainer: {{max_steps: {SFT_STEPS}, sft_batch_size: 64}}}}]"], os.path.join(root, "sft.log"))
     return base
+
+
+def export_of(base: str) -> str:
+    """The warm-up's HF export (<base>/checkpoints/hf/v<step>, the newest)."""
+    return max(glob.glob(os.path.join(base, "checkpoints", "hf", "v*")))
 
 
 def grpo(root: str, base: str, selector: str, seed: int, steps: int, eval_every: int) -> dict[int, float]:
@@ -48,7 +53,7 @@ def grpo(root: str, base: str, selector: str, seed: int, steps: int, eval_every:
     if not os.path.exists(os.path.join(run, "metrics", "summary-rank0.json")):
         print(f"GRPO {steps} steps, data.selector.name={selector}, seed {seed}", flush=True)
         launch([f"run.output_dir={run}", "run.resume=never", f"seed={seed}",
-                f"model.path={base}/checkpoints/hf/v{SFT_STEPS}", "model.tiny=null", "data.arithmetic=null",
+                f"model.path={export_of(base)}", "model.tiny=null", "data.arithmetic=null",
                 f"data.train_path={base}/data/train.jsonl", f"data.eval_path={base}/data/eval.jsonl",
                 f"monitor.eval_interval={eval_every}", f"data.selector.name={selector}",
                 f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, "

@@ -32,6 +32,7 @@ class SelectorConfig:
     start_fraction: float = 0.25  # curriculum: share of the easiest tasks open at the first batch
     pace_steps: int = 50  # curriculum: batches after which every task is open
     pacing: str = "linear"  # curriculum: linear | root (opens fast, then slower) | step (halfway, then all)
+    revisit: float = 0.5  # difficulty: share of each batch that goes back to tasks drawn before (the rest: new tasks)
     target: float = 0.5  # difficulty: the pass rate preferred most (GRPO learns most near 0.5)
     width: float = 0.2  # difficulty: how fast preference falls away from target (a Gaussian's sd)
     floor: float = 0.02  # difficulty: weight left to tasks always or never solved
@@ -100,6 +101,7 @@ def check_selector(prefix: str, selector: SelectorConfig, rollouts: bool) -> Non
     if selector.pacing not in CURRICULUM_PACINGS:
         config_error(f"{key}.pacing", selector.pacing, f"choose one of {CURRICULUM_PACINGS}")
     for name, value, low, high in (("start_fraction", selector.start_fraction, 0.0, 1.0),
+                                   ("revisit", selector.revisit, 0.0, 1.0),
                                    ("target", selector.target, 0.0, 1.0), ("floor", selector.floor, 0.0, 1.0)):
         if not low <= value <= high:
             config_error(f"{key}.{name}", value, f"use a number in [{low}, {high}]")

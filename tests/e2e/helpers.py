@@ -94,12 +94,12 @@ def kill_like_a_node_failure(launcher: subprocess.Popen, run_dir) -> None:
 
     os.killpg(launcher.pid, signal.SIGKILL)  # launcher, its submitit controller, the ranks
     launcher.wait()
-    ranks = [int(p.stem[4:]) for p in (Path(run_dir) / "pids").glob("rank*.pid")]
-    for rank in ranks:
+    for pid_file in (Path(run_dir) / "pids").glob("rank*.pid"):  # ranks and their supervisors
         try:  # each rank leads a process group with its vLLM engine in it: a node failure ends both
-            os.killpg(int((Path(run_dir) / "pids" / f"rank{rank}.pid").read_text()), signal.SIGKILL)
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
         except ProcessLookupError:
             pass
+    ranks = [int(p.stem[4:]) for p in (Path(run_dir) / "pids").glob("rank*.pid") if p.stem[4:].isdigit()]
     for _ in range(50):  # SIGKILLed processes take a moment to go
         if not leftovers(run_dir, ranks):
             break

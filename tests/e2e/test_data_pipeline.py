@@ -17,8 +17,8 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.equivalence import EXPLORER_STATE, TRAINER_STATE
 from tests.e2e.helpers import REPO, assert_same_run, kill_like_a_node_failure, launch, wait_for_step
 
-SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 16, 4
-CHECKPOINT = SFT_STEPS + 8
+SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 18, 4  # a checkpoint at the last step (48) to compare
+CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next
 DONE = SFT_STEPS + GRPO_STEPS
 GROUPS_PER_STEP = 4
 
@@ -94,7 +94,9 @@ def test_groups_a_person_labels_during_the_run_are_trained_with_their_scores(tmp
     """A reviewer (here a thread writing labels through the same call the TUI uses) scores every
     response of each group the `review` operator routes; the trainer takes each labelled group
     once, in a later step, with the reviewer's scores as its rewards."""
-    from rft.review.queue import label, pending
+    import torch
+
+    from rft.review.queue import label, labels, pending
 
     run_dir = tmp_path / "run"
     done = threading.Event()
@@ -110,7 +112,7 @@ def test_groups_a_person_labels_during_the_run_are_trained_with_their_scores(tmp
     thread.start()
     try:
         result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "stages.0.trainer.max_steps=20",
-                        "stages.1.trainer.max_steps=12", "buffer.operators=[{name: review, when: [sample], fraction: 0.1}]")
+                        "stages.1.trainer.max_steps=12", "trainer.save_interval=4", "buffer.operators=[{name: review, when: [sample], fraction: 0.1}]")
     finally:
         done.set()
         thread.join()
@@ -118,10 +120,9 @@ def test_groups_a_person_labels_during_the_run_are_trained_with_their_scores(tmp
     rows = [r for r in trainer_log(run_dir) if "review/groups" in r]
     trained = sum(r["review/groups"] for r in rows)
     assert trained >= 1 and rows[-1]["review/labelled_total"] == trained
-    import torch
-
     state = torch.load(run_dir / "checkpoints" / f"step{20 + 12:08d}" / "rank0.pt", weights_only=False)["review"]
     assert len(state["trained"]) == len(set(state["trained"])) == trained  # each labelled group once
+    assert set(state["trained"]) <= set(labels(str(run_dir)))
     # a step that trained labelled groups (all scored 1.0 by the reviewer) has their rewards in its mean:
     # at least their share of the rows, whatever the fresh rows scored (0 or 1 with exact_match)
     for r in rows:

@@ -90,14 +90,22 @@ def test_difficulty_prefers_tasks_it_sees_solved_sometimes():
     assert stats["selector/always_solved"] == pytest.approx(1 / 3) and stats["selector/never_solved"] == pytest.approx(1 / 3)
 
 
-def test_difficulty_revisits_informative_tasks_before_unseen_ones():
-    """With the run's pass rate as an unseen task's prior, a task seen half-solved outranks one not
-    seen yet when most tasks are solved (the quickstart after SFT)."""
-    selector = build_selector(tasks(100), 0, SelectorConfig(name="difficulty"))
-    for i in range(50):
-        selector.observe([str(i)] * 4, [1.0] * 4 if i else [1.0, 0.0, 0.0, 1.0])
-    weights = selector.weights()
-    assert weights[0] > 3 * weights[60] and weights[60] > weights[1]
+def test_difficulty_splits_each_batch_into_new_tasks_and_revisits_of_informative_ones():
+    selector = build_selector(tasks(100), 0, SelectorConfig(name="difficulty", revisit=0.5))
+    first = ids(selector.next_batch(10))  # nothing drawn yet: all new
+    assert len(set(first)) == 10
+    for i in first:  # the first task half solved, the others always
+        selector.observe([str(i)] * 4, [1.0, 0.0, 1.0, 0.0] if i == first[0] else [1.0] * 4)
+    second = ids(selector.next_batch(10))
+    new, again = second[:5], second[5:]
+    assert not set(new) & set(first) and set(again) <= set(first)  # half new, half revisits
+    assert first[0] in again  # the informative one comes back
+    assert selector.scalars()["selector/revisited"] == 0.5
+    # new tasks walk one seeded order: after 100 new ones every task was met once
+    met = set(first) | set(new)
+    while len(met) < 100:
+        met |= set(ids(selector.next_batch(10))[:5])
+    assert selector.drawn == 100 and ids(selector.next_batch(10)) and selector.scalars()["selector/revisited"] == 1.0
 
 
 def test_difficulty_refuses_a_checkpoint_of_another_taskset():

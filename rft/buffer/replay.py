@@ -7,8 +7,9 @@ A candidate is eligible when it was used fewer than `max_uses` times, at least `
 ago, and its priority is above 0; with `buffer.max_staleness` and `stale=drop` also only while
 its weights are no more than max_staleness trainer steps old (with `stale=reweight` a step holding
 replayed rows is trained with truncated importance weights, like any stale experience:
-rft/trainer/trainer.py). Ties in priority go to the older group, then the group id, so the choice
-is a function of the pool alone.
+rft/trainer/trainer.py; a step whose fresh shards are dropped as stale trains none of its rows,
+and the groups replayed in it count as used). Ties in priority go to the older group, then the
+group id, so the choice is a function of the pool alone.
 
 Fresh shards keep their exactly-once life cycle (rft/buffer/shards.py): replay never claims, it
 reads consumed shards (checksums verified) by name. The pool is a checkpoint component of trainer

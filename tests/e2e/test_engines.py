@@ -18,9 +18,12 @@ SFT, GRPO = 300, 8
 
 
 def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
+    """With the `difficulty` selector, which chooses by the rewards it sees: each engine sees both
+    engines' (rft/explorer/explorer.py), so both draw the same batch to share."""
     run_dir = tmp_path / "run"
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "cluster.rollout_ranks=2",
-                    f"stages.0.trainer.max_steps={SFT}", f"stages.1.trainer.max_steps={GRPO}", timeout=900)
+                    f"stages.0.trainer.max_steps={SFT}", f"stages.1.trainer.max_steps={GRPO}",
+                    "+stages.1.data.selector.name=difficulty", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = " ".join(result.stdout.replace("│", " ").split())
     assert "engine 0: rank 1 on this machine" in plan and "engine 1: rank 2 on this machine" in plan
@@ -37,6 +40,11 @@ def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
         assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)
     rows = [sum(r for r, _ in by_producer.values()) for by_producer in shards.values()]
     assert rows == [32 * 8] * GRPO  # tasks_per_step x group_size: every task once, over both engines
+    selected = [[{k: v for k, v in row.items() if k.startswith(("step", "selector/"))}
+                 for row in map(json.loads, (run_dir / "metrics" / f"rollout{rank}.jsonl").read_text().splitlines())
+                 if "selector/tasks_seen" in row] for rank in (1, 2)]
+    assert len(selected[0]) == GRPO and selected[0] == selected[1]  # one selector state on both engines
+    assert selected[0][-1]["selector/tasks_seen"] > 32
     consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
     assert consumed == [f"step{s:08d}-p{p:03d}.parquet" for s in range(SFT, SFT + GRPO) for p in (1, 2)]
 
@@ -111,6 +119,11 @@ def test_with_continue_the_engine_left_takes_a_lost_engines_tasks_and_the_run_fi
         assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)  # synced every step
         if step >= lost_at:
             assert sorted(by_producer) == [1], (step, by_producer)  # engine 0 alone, its lost tasks included
+    selected = [[{k: v for k, v in row.items() if k.startswith(("step", "selector/"))}
+                 for row in map(json.loads, (run_dir / "metrics" / f"rollout{rank}.jsonl").read_text().splitlines())
+                 if "selector/tasks_seen" in row] for rank in (1, 2)]
+    assert len(selected[0]) == GRPO and selected[0] == selected[1]  # one selector state on both engines
+    assert selected[0][-1]["selector/tasks_seen"] > 32
     consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
     assert len(consumed) == len(set(consumed)) == sum(len(p) for p in shards.values())  # each shard trained once
 

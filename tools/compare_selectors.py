@@ -14,7 +14,9 @@ Tasksets: `quickstart` (its 5000 training problems; after the warm-up the model 
 them) and `easy_heavy`, the same problems reduced to every one without a carry (which the
 warm-up model nearly always solves) and the first EASY_HEAVY_HARD with carries: a taskset most of
 whose tasks teach nothing any more, the case difficulty-aware selection is for (a strong model on
-GSM8K). Both evaluate on the quickstart's held-out set.
+GSM8K); `small`, its first SMALL problems, so that 100 steps are 8 epochs and a selector chooses
+among tasks it has all seen (the regime of many epochs over a fixed taskset). All evaluate on the
+quickstart's held-out set.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_STEPS = 2000  # the quickstart's warm-up (conf/experiment/quickstart.yaml)
 EASY_HEAVY_HARD = 300  # problems with carries kept in the easy_heavy taskset (~1500 have none)
+SMALL = 400  # problems in the small taskset
 
 
 def launch(overrides: list[str], log: str) -> None:
@@ -63,8 +66,11 @@ def taskset(root: str, base: str, name: str) -> str:
     path = os.path.join(root, f"{name}.jsonl")
     with open(source) as f:
         rows = [json.loads(line) for line in f]
-    hard = [r for r in rows if r["difficulty"] > 0][:EASY_HEAVY_HARD]
-    kept = [r for r in rows if r["difficulty"] == 0 or r in hard]
+    if name == "small":
+        kept = rows[:SMALL]
+    else:
+        hard = [r for r in rows if r["difficulty"] > 0][:EASY_HEAVY_HARD]
+        kept = [r for r in rows if r["difficulty"] == 0 or r in hard]
     with open(path, "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in kept)
     return path
@@ -93,7 +99,7 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy"], default="quickstart")
+    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small"], default="quickstart")
     parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")

@@ -15,11 +15,11 @@ import time
 from dataclasses import replace
 
 
-from rft.data.context_fit import ContextFit
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
 from rft.data.config import operator_specs
+from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
 from rft.data.taskset import read_stage_tasks, row_scalars
 from rft import faults

@@ -6,8 +6,9 @@
 
 Runs the quickstart's SFT warm-up once (its HF export is the starting point of every GRPO run, so
 all selectors start from the same weights), then the quickstart's GRPO stage once per selector
-and seed, evaluating every --eval-every steps. For each run it prints the accuracy curve and the
-first step at which accuracy reaches --target (default: the shuffle runs' mean final accuracy,
+and seed, evaluating every --eval-every steps. For each run it prints the accuracy curve, the share
+of GRPO groups with a reward spread (what a selector can raise), and the first step at which
+accuracy reaches --target (default: the shuffle runs' mean final accuracy,
 the bar the others must reach sooner). Last line: one JSON object.
 
 Tasksets: `quickstart` (its 5000 training problems; after the warm-up the model solves 84% of
@@ -53,6 +54,12 @@ def warm_up(root: str, steps: int) -> str:
     return base
 
 
+def run_dir(root: str, base: str, train: str, selector: str, seed: int) -> str:
+    name = os.path.splitext(os.path.basename(train))[0]
+    prefix = "" if os.path.basename(base) == "sft" else os.path.basename(base) + "-"  # another warm-up
+    return os.path.join(root, f"{prefix}{'' if name == 'train' else name + '-'}{selector}-seed{seed}")
+
+
 def export_of(base: str) -> str:
     """The warm-up's HF export (<base>/checkpoints/hf/v<step>, the newest)."""
     return max(glob.glob(os.path.join(base, "checkpoints", "hf", "v*")))
@@ -78,9 +85,7 @@ def taskset(root: str, base: str, name: str) -> str:
 
 def grpo(root: str, base: str, train: str, selector: str, seed: int, steps: int, eval_every: int) -> dict[int, float]:
     """One GRPO stage from the warm-up's weights; held-out accuracy by GRPO step (0: the start)."""
-    name = os.path.splitext(os.path.basename(train))[0]
-    prefix = "" if os.path.basename(base) == "sft" else os.path.basename(base) + "-"  # another warm-up
-    run = os.path.join(root, f"{prefix}{'' if name == 'train' else name + '-'}{selector}-seed{seed}")
+    run = run_dir(root, base, train, selector, seed)
     if not os.path.exists(os.path.join(run, "metrics", "summary-rank0.json")):
         print(f"GRPO {steps} steps, data.selector.name={selector}, seed {seed}", flush=True)
         launch([f"run.output_dir={run}", "run.resume=never", f"seed={seed}",
@@ -91,6 +96,21 @@ def grpo(root: str, base: str, train: str, selector: str, seed: int, steps: int,
                 f"trainer: {{max_steps: {steps}}}}}]"], run + ".log")
     with open(os.path.join(run, "metrics", "eval.jsonl")) as f:
         return {row["step"]: row["accuracy"] for row in map(json.loads, f)}
+
+
+def informative_share(run: str) -> float:
+    """The share of the run's GRPO groups whose rewards are not all equal (the groups that give
+    GRPO a gradient; a selector's lever), from the consumed shards."""
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    spread, total = 0, 0
+    for shard in glob.glob(os.path.join(run, "buffer", "*.done")):
+        groups = pq.read_table(shard, columns=["group_id", "reward"]).group_by("group_id").aggregate(
+            [("reward", "min"), ("reward", "max")])
+        spread += pc.sum(pc.greater(groups.column("reward_max"), groups.column("reward_min"))).as_py() or 0
+        total += groups.num_rows
+    return spread / max(total, 1)
 
 
 def first_reaching(curve: dict[int, float], target: float) -> int | None:
@@ -124,15 +144,18 @@ def main() -> None:
     for (sel, seed), curve in curves.items():
         print(f"{sel:<12} {seed:>4} " + " ".join(f"{curve.get(s, float('nan')):6.3f}" for s in steps))
         reached = first_reaching(curve, target)
-        result["runs"][f"{sel}/{seed}"] = {"final": finals[(sel, seed)], "best": max(curve.values()),
-                                           "reached_at": reached}
+        result["runs"][f"{sel}/{seed}"] = {
+            "final": finals[(sel, seed)], "best": max(curve.values()), "reached_at": reached,
+            "informative_groups": informative_share(run_dir(args.out, base, train, sel, seed))}
     for sel in args.selectors:
         runs = [result["runs"][f"{sel}/{seed}"] for seed in args.seeds]
         reached = [r["reached_at"] for r in runs]
         result[sel] = {"mean_final": sum(r["final"] for r in runs) / len(runs),
                        "mean_best": sum(r["best"] for r in runs) / len(runs),
-                       "reached_target_at": reached}
-        print(f"{sel}: mean final {result[sel]['mean_final']:.3f}, reached target at GRPO steps {reached}")
+                       "reached_target_at": reached,
+                       "informative_groups": sum(r["informative_groups"] for r in runs) / len(runs)}
+        print(f"{sel}: mean final {result[sel]['mean_final']:.3f}, reached target at GRPO steps {reached}, "
+              f"groups with a reward spread {result[sel]['informative_groups']:.0%}")
     print(json.dumps(result))
 
 

@@ -16,7 +16,8 @@ function may set the attribute `rft_meta = {...}`) so the code that uses them as
 The registries live next to their built-ins: `rft.algorithms.advantages.ADVANTAGES`,
 `policy_losses.POLICY_LOSSES`, `kl.KL_ESTIMATORS`, `aggregation.AGGREGATIONS`,
 `filters.SAMPLE_FILTERS`, `rft.explorer.rewards.REWARDS`, `rft.explorer.workflows.WORKFLOWS`,
-`rft.explorer.envs.ENVIRONMENTS`.
+`rft.explorer.envs.ENVIRONMENTS`, `rft.data.selectors.SELECTORS`, `rft.data.task_operators.TASK_OPERATORS`,
+`rft.buffer.operators.EXPERIENCE_OPERATORS`, `rft.buffer.replay.PRIORITIES`.
 """
 
 from __future__ import annotations

@@ -119,11 +119,6 @@ def test_with_continue_the_engine_left_takes_a_lost_engines_tasks_and_the_run_fi
         assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)  # synced every step
         if step >= lost_at:
             assert sorted(by_producer) == [1], (step, by_producer)  # engine 0 alone, its lost tasks included
-    selected = [[{k: v for k, v in row.items() if k.startswith(("step", "selector/"))}
-                 for row in map(json.loads, (run_dir / "metrics" / f"rollout{rank}.jsonl").read_text().splitlines())
-                 if "selector/tasks_seen" in row] for rank in (1, 2)]
-    assert len(selected[0]) == GRPO and selected[0] == selected[1]  # one selector state on both engines
-    assert selected[0][-1]["selector/tasks_seen"] > 32
     consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
     assert len(consumed) == len(set(consumed)) == sum(len(p) for p in shards.values())  # each shard trained once
 

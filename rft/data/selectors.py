@@ -150,8 +150,9 @@ class Difficulty:
 
     Why two parts rather than one weighted draw over the whole taskset: within an epoch almost
     every task is unseen, and unseen tasks outnumber the informative ones so far that even a small
-    weight each gives them nearly every draw; nothing would ever be revisited (measured on the
-    quickstart: 29 of 32 tasks a step were new). p is smoothed, (solved + m g) / (tried + m), where
+    weight each gives them most draws, and little is revisited (measured on the quickstart: 2055
+    distinct tasks in the first 2912 draws, the batch's expected pass rate 0.79-0.85 against the
+    run's 0.84). p is smoothed, (solved + m g) / (tried + m), where
     g is the pass rate of every sample so far and m = prior_samples, so one lucky group does not
     make a task look ideal.
     """

@@ -127,6 +127,7 @@ class Explorer:
         self.first_rollout_rank = info.trainer_ranks
         self.runner: WorkflowRunner | None = None
         self.selector = None  # the stage's task selector (rft/data/selectors.py); None: nothing to explore
+        self.observes = False  # whether the selector is told the rewards (not for shuffle, sequential, curriculum)
         tokenizer = engines[0].tokenizer
         self.operators = OperatorPipeline(operator_specs(cfg.buffer.operators),
                                           OperatorContext(run_dir, engine=self.engine, decode=tokenizer.decode))

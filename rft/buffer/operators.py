@@ -177,7 +177,10 @@ class OperatorPipeline:
                 raise ValueError(f"experience operator {label} returned a row it was not given "
                                  f"(trajectory {unknown[0].trajectory_id}): operators keep, drop or reshape rows")
             for e in out:
-                e.check()  # a shaped reward must still be a finite number
+                try:
+                    e.check()  # a shaped reward must still be a finite number
+                except ValueError as err:
+                    raise ValueError(f"experience operator {label} returned a row that is not valid: {err}") from None
             counts = self.counts.setdefault(label, {"dropped": 0, "reshaped": 0})
             counts["dropped"] += len(experiences) - len(out)
             counts["reshaped"] += sum(e.reward != before[_key(e)] for e in out)

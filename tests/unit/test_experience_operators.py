@@ -112,7 +112,7 @@ def test_a_user_operator_by_dotted_path_and_what_it_may_not_do():
     assert names(kept) == ["a:0"] and counts["ops/keep_short_answers/dropped"] == 1.0
     with pytest.raises(ValueError, match="made_up_row returned a row it was not given"):
         run(("tests.unit.test_experience_operators.made_up_row", {}), rows)
-    with pytest.raises(ValueError, match="reward .* must hold finite numbers"):
+    with pytest.raises(ValueError, match="operator nan_reward returned a row that is not valid: .*reward .* must hold finite"):
         run(("tests.unit.test_experience_operators.nan_reward", {}), rows)
 
 

@@ -16,7 +16,9 @@ them) and `easy_heavy`, the same problems reduced to every one without a carry (
 warm-up model nearly always solves) and the first EASY_HEAVY_HARD with carries: a taskset most of
 whose tasks teach nothing any more, the case difficulty-aware selection is for (a strong model on
 GSM8K); `small`, its first SMALL problems, so that 100 steps are 8 epochs and a selector chooses
-among tasks it has all seen (the regime of many epochs over a fixed taskset). All evaluate on the
+among tasks it has all seen (the regime of many epochs over a fixed taskset); `noisy`, every
+other problem's answer made wrong (noisy labels: tasks no policy solves, whose groups teach
+nothing). All evaluate on the
 quickstart's held-out set.
 """
 
@@ -75,6 +77,8 @@ def taskset(root: str, base: str, name: str) -> str:
         rows = [json.loads(line) for line in f]
     if name == "small":
         kept = rows[:SMALL]
+    elif name == "noisy":  # every other row's answer is wrong: a task no policy can solve
+        kept = [dict(r, answer=str(int(r["answer"]) + 7)) if i % 2 else r for i, r in enumerate(rows)]
     else:
         hard = [r for r in rows if r["difficulty"] > 0][:EASY_HEAVY_HARD]
         kept = [r for r in rows if r["difficulty"] == 0 or r in hard]
@@ -119,7 +123,7 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small"], default="quickstart")
+    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy"], default="quickstart")
     parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")

@@ -35,7 +35,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from rft import faults
-from rft.runtime.storage import written_whole_or_not_at_all
+from rft.runtime.storage import fsync_dir, written_whole_or_not_at_all
 
 MANIFEST = "manifest.jsonl"
 _FORMATS = ("parquet", "arrow")  # Parquet, or an Arrow IPC file (no decode cost, bigger)
@@ -82,16 +82,6 @@ def _column(name: str, values: list) -> pa.Array:
     except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as e:
         want = f" as {kind}" if kind is not None else ""
         raise ValueError(f"experience column {name!r} cannot be stored{want}: {e}") from None
-
-
-def _fsync_dir(path: str) -> None:
-    """Make a rename durable; some filesystems refuse fsync on directories, which is harmless."""
-    with contextlib.suppress(OSError):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 class ExperienceBuffer:
@@ -156,7 +146,7 @@ class ExperienceBuffer:
             # Manifest first: a consumer that sees the shard must find its checksum.
             self._append_manifest(entry)
             os.rename(tmp, os.path.join(self.root, name))
-        _fsync_dir(self.root)
+        fsync_dir(self.root)
 
     def _forget_consumed(self) -> None:
         for name in [n for n in self._kept if os.path.exists(os.path.join(self.root, n + ".done"))
@@ -388,7 +378,7 @@ class ExperienceBuffer:
                 os.rename(os.path.join(self.root, name), os.path.join(self.root, into, name))
                 moved.append(name)
         if moved:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         return moved
 
     def reopen(self, producer: int, from_step: int) -> list[str]:
@@ -405,7 +395,7 @@ class ExperienceBuffer:
                 os.rename(os.path.join(self.root, name), os.path.join(self.root, m.group(1)))
                 reopened.append(m.group(1))
         if reopened:
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         return reopened
 
     def read_consumed(self, name: str) -> pa.Table:

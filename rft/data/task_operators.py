@@ -36,12 +36,12 @@ import functools
 import inspect
 import json
 import os
-import socket
 from typing import Any, Callable
 
 from rft.data.near_duplicates import duplicate_of
 from rft.data.taskset import Task
 from rft.registry import Registry
+from rft.runtime.storage import write_text_atomic
 
 TASK_OPERATORS = Registry("task operator", params=("tasks",), returns="list[Task] (the tasks kept, in order)")
 
@@ -233,22 +233,6 @@ def _check_result(result: Any, given: list[Task], where: str) -> None:
         position += 1
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` so that readers see the old file or the whole new one. Every rank
-    writes the same content; the temporary name carries host and pid so that ranks (on hosts
-    sharing the file system, whose pids may coincide) never write into one temporary file."""
-    folder = os.path.dirname(path) or "."
-    os.makedirs(folder, exist_ok=True)
-    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):  # only when writing failed
-            os.remove(tmp)
-
-
 def _rows_jsonl(tasks: list[Task], source: str) -> str:
     lines = []
     for task in tasks:
@@ -311,12 +295,12 @@ def apply_task_operators(tasks: list[Task], specs: list[tuple[str, dict[str, Any
                 with contextlib.suppress(FileNotFoundError):  # another rank may have removed it first
                     os.remove(cleaned_path)
             if report_path:
-                _write_atomic(report_path, json.dumps(report, indent=2, ensure_ascii=False, default=repr))
+                write_text_atomic(report_path, json.dumps(report, indent=2, ensure_ascii=False, default=repr), "the taskset report")
             where_report = f"see {report_path}" if report_path else "no report was written (no report_path)"
             raise ValueError(f"{where} dropped the last {len(dropped)} tasks of {source}; nothing is left to "
                              f"train on ({where_report}): relax its options or remove it")
     if cleaned_path:
-        _write_atomic(cleaned_path, _rows_jsonl(current, source))
+        write_text_atomic(cleaned_path, _rows_jsonl(current, source), "the cleaned taskset")
     if report_path:  # written after the cleaned file, so the report never describes a half-written one
-        _write_atomic(report_path, json.dumps(report, indent=2, ensure_ascii=False, default=repr))
+        write_text_atomic(report_path, json.dumps(report, indent=2, ensure_ascii=False, default=repr), "the taskset report")
     return current, report

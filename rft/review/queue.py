@@ -25,6 +25,8 @@ import re
 import time
 from typing import Any
 
+from rft.runtime.storage import fsync_dir, write_text_atomic
+
 VERDICTS = ("scored", "skip")
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _MAX_NAME = 150  # file names stay well under the 255-byte limit of common filesystems
@@ -89,39 +91,6 @@ def _checked_item(item: Any) -> dict:
     return {**item, "responses": checked}
 
 
-def _write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` whole or not at all: a temporary file in the same directory (so the
-    rename stays on one filesystem), fsync'ed before the rename so a crash cannot leave a renamed
-    but empty file, then the directory fsync'ed so the rename itself is durable."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.remove(tmp)
-        except OSError:
-            pass  # renamed already, or never created
-        raise
-    _fsync_dir(os.path.dirname(path) or ".")
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # some filesystems (and platforms) cannot open a directory; the data is synced anyway
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def enqueue(run_dir: str, item: dict) -> str | None:
     """Put `item` in the review queue. Returns its path, or None when an item with this id is
     queued already (a resumed run re-enqueues the same ids; the first copy, and any label given
@@ -131,7 +100,7 @@ def enqueue(run_dir: str, item: dict) -> str | None:
     path = _item_path(run_dir, item["id"])
     if os.path.exists(path):
         return None
-    _write_atomic(path, json.dumps(item))
+    write_text_atomic(path, json.dumps(item), f"review item {item['id']!r}")
     return path
 
 
@@ -209,7 +178,7 @@ def _append_line(path: str, line: str) -> None:
     finally:
         os.close(fd)
     if size == 0:
-        _fsync_dir(os.path.dirname(path))  # a new file's directory entry must survive a crash too
+        fsync_dir(os.path.dirname(path))  # a new file's directory entry must survive a crash too
 
 
 def labels(run_dir: str) -> dict[str, dict]:
@@ -262,5 +231,5 @@ def export(run_dir: str, kind: str, path: str, min_score: float = 0.5) -> int:
                              "task_id": item["task_id"]})
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
-    _write_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
+    write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows), f"the {kind} export")
     return len(rows)

@@ -10,8 +10,10 @@ freed resumes from the newest complete checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,6 +43,33 @@ def written_whole_or_not_at_all(tmp: str, what: str) -> Iterator[None]:
                 "Free space, then launch again with the same run.output_dir: the run resumes from its newest "
                 "complete checkpoint") from None
         raise
+
+
+def fsync_dir(path: str) -> None:
+    """Make a rename in `path` durable; some filesystems refuse fsync on directories, which is harmless."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_text_atomic(path: str, text: str, what: str) -> None:
+    """Write `text` to `path` so that readers see the old file or the whole new one, and a crash
+    after return keeps it: a temporary file beside it (named by host and pid, so ranks on hosts
+    sharing the filesystem never share one), fsync'ed, renamed, the directory fsync'ed. Creates
+    the directory. `what` names the file in a full-disk error."""
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"
+    with written_whole_or_not_at_all(tmp, what):
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    fsync_dir(folder)
 
 
 def _full(err: BaseException | None) -> int | None:

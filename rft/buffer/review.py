@@ -91,19 +91,20 @@ class ReviewIntake:
 
     def take(self, step: int) -> tuple[pa.Table | None, dict[str, float]]:
         """The groups labelled since the last call, for trainer step `step`."""
-        from rft.review.queue import items, labels
+        from rft.review.queue import item, labels
 
-        done = set(self.trained)
-        given = labels(self.run_dir)
-        fresh = [item for item in items(self.run_dir)
-                 if item["id"] in given and item["id"] not in done and given[item["id"]]["verdict"] == "scored"]
+        # only the items labelled since the last step are read: items carry whole trajectories
+        done, given = set(self.trained), labels(self.run_dir)
+        new = sorted(i for i, label in given.items() if i not in done and label["verdict"] == "scored")
+        fresh = [found for found in (item(self.run_dir, i) for i in new) if found is not None and found["id"] in given]
+        fresh.sort(key=lambda found: (found["step"], found["id"]))  # the queue's order, as before
         rows = []
-        for item in fresh:
-            scores = given[item["id"]]["scores"]
-            for score, row in zip(scores, item["experiences"]):
+        for group in fresh:
+            scores = given[group["id"]]["scores"]
+            for score, row in zip(scores, group["experiences"]):
                 e = Experience(**row)
                 rows.append(dataclasses.replace(e, reward=float(score)) if score is not None else e)
-            self.trained.append(item["id"])
+            self.trained.append(group["id"])
         scalars = {"review/groups": float(len(fresh)), "review/rows": float(len(rows)),
                    "review/labelled_total": float(len(self.trained))}
         return (to_table(rows) if rows else None), scalars

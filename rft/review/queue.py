@@ -112,6 +112,11 @@ def _read_item(path: str) -> dict | None:
         return None
 
 
+def item(run_dir: str, item_id: str) -> dict | None:
+    """One queued item by id, or None when there is none (or it cannot be read)."""
+    return _read_item(_item_path(run_dir, item_id))
+
+
 def items(run_dir: str) -> list[dict]:
     """Every queued item, sorted by (step, id). Files that cannot be read as an item are skipped:
     one bad file must not hide the rest of the queue from the reviewer or the trainer."""

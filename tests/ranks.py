@@ -2,17 +2,24 @@
 stays out of pytest's process), and end them as a job's ranks end (rft/runtime/supervisor.py): with
 os._exit once the worker returned. A normal interpreter exit after a gloo group tears down gloo's
 C++ threads racily: about 1 run in 12 aborted with "terminate called without an active exception"
-(SIGABRT) after the worker had finished and saved its results."""
+(SIGABRT) after the worker had finished and saved its results.
+
+The ranks see no GPU unless a test asks for one (`gpu=True`, tests marked `gpu`): the trainer picks
+its CUDA path (NCCL, megatron-core's optimizer) whenever CUDA is there, and the other tests are
+tests of the CPU path, which must hold on a GPU machine too."""
 
 import os
 import sys
+from unittest import mock
 
 import torch.multiprocessing as mp
 
 
-def start_ranks(worker, nprocs: int, *args) -> None:
+def start_ranks(worker, nprocs: int, *args, gpu: bool = False) -> None:
     """Run `worker(rank, *args)` on ranks 0..nprocs-1; raises if one fails."""
-    mp.start_processes(_run_then_exit, args=(worker, *args), nprocs=nprocs, start_method="spawn", join=True)
+    # in the environment the spawned ranks start with, so CUDA is hidden before any import asks for it
+    with mock.patch.dict(os.environ, {} if gpu else {"CUDA_VISIBLE_DEVICES": ""}):
+        mp.start_processes(_run_then_exit, args=(worker, *args), nprocs=nprocs, start_method="spawn", join=True)
 
 
 def _run_then_exit(rank: int, worker, *args) -> None:

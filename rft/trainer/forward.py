@@ -19,10 +19,11 @@ import torch.distributed as dist
 class Microbatch:
     """Sequences for one forward/backward, padded or packed.
 
-    Padded: one row per sequence, right-padded. Packed (`row_index` set): all sequences in one row
-    back to back, a block-diagonal causal `attention_mask` keeping each to itself. Rotary position
-    embeddings only see relative positions inside a sequence, so packed and padded give the same
-    logits. What the loss side sees is the padded layout either way: `rows()` maps per-target
+    Padded: one row per sequence, right-padded; causal attention alone keeps real tokens off the
+    padding after them. Packed (`row_index` set): all sequences in one row back to back, and
+    `packed_seq_params` (Megatron's THD layout: cumulative sequence lengths) keeps each sequence's
+    attention and rotary positions to itself (rft/trainer/attention.py), so packed and padded give
+    the same logits. What the loss side sees is the padded layout either way: `rows()` maps per-target
     values of the packed row to one row per sequence, and `loss_mask` is in that layout.
     `loss_mask[i, t]` is 1 where token t+1 of sequence i is a response token to train.
     """
@@ -30,7 +31,7 @@ class Microbatch:
     input_ids: torch.Tensor  # [b, s] int64 (packed: [1, total tokens])
     loss_mask: torch.Tensor  # [sequences, longest - 1] float: scores targets input_ids[:, 1:] (per sequence)
     position_ids: torch.Tensor  # like input_ids; restart at 0 for each packed sequence
-    attention_mask: torch.Tensor | None = None  # [1, 1, s, s] True = not allowed (packed); None: causal
+    packed_seq_params: object | None = None  # packed: megatron's PackedSeqParams (qkv_format "thd")
     row_index: torch.Tensor | None = None  # packed: [sequences, longest - 1] target positions in the row, -1 = none
     # positions (row-major over input_ids) that predict a response token, whatever its loss mask:
     # the only logits a policy's loss, old logprobs or reference logprobs read
@@ -86,18 +87,20 @@ def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[
     total, width = len(ids), max(lengths)
     sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
     positions = torch.arange(total) - starts[sequence]
-    allowed = (sequence[:, None] == sequence[None, :]) & (positions[:, None] >= positions[None, :])
     # sequence i's target t (predicting its token t+1) sits at starts[i] + t of the packed row
     t = torch.arange(width - 1)
     row_index = torch.where(t[None, :] < torch.tensor(lengths)[:, None] - 1, starts[:, None] + t[None, :], -1)
-    return Microbatch(ids[None].to(device), mask, positions[None].to(device), (~allowed)[None, None].to(device),
+    return Microbatch(ids[None].to(device), mask, positions[None].to(device), _thd(lengths, device),
                       row_index.to(device), targets)
 
 
-def causal_mask(width: int, device: torch.device) -> torch.Tensor:
-    """Megatron's mask convention: True where attention is *not* allowed. Right padding needs no
-    more than causality, since padded positions come after every real token."""
-    return torch.triu(torch.ones(width, width, dtype=torch.bool, device=device), diagonal=1)[None, None]
+def _thd(lengths: list[int], device: torch.device):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)
+    longest = max(lengths)
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                           max_seqlen_q=longest, max_seqlen_kv=longest)
 
 
 def _tp_sum(t: torch.Tensor, group) -> torch.Tensor:
@@ -167,10 +170,10 @@ def model_forward(model, mb: Microbatch, response_only: bool = False) -> torch.T
     """
     from megatron.core import parallel_state
 
-    width = mb.input_ids.shape[1]
-    mask = mb.attention_mask if mb.attention_mask is not None else causal_mask(width, mb.input_ids.device)
     with _output_layer_at(model, mb.response_targets if response_only else None):
-        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=mask)
+        # attention is causal by construction (rft/trainer/attention.py): no mask to build or pass
+        out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
+                    packed_seq_params=mb.packed_seq_params)
     real_vocab = getattr(model, "real_vocab_size", None)
     if not model.post_process or real_vocab is None:
         return out

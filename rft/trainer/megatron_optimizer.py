@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from rft.trainer.optimizer import StepResult
+from rft.trainer.optimizer import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult
 
 _WRAPPED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
@@ -56,6 +56,9 @@ class MegatronOptimizer:
             bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, params_dtype=dtype,
             # bf16 and fp32: a constant scale of 1, which still makes Megatron skip a non-finite step
             loss_scale=loss_scale if loss_scale is not None else (None if dtype == torch.float16 else 1.0),
+            # the CPU path's dynamic scale (optimizer.LossScale): from 2^16, halved at each overflow.
+            # Megatron's default start, 2^32, skipped the first 16 steps of an fp16 run on a GPU
+            initial_loss_scale=FP16_INITIAL_SCALE, loss_scale_window=FP16_GROWTH_INTERVAL, hysteresis=1,
             use_distributed_optimizer=distributed, clip_grad=0.0)
         self.optimizer = get_megatron_optimizer(config, [self.ddp])
 

@@ -62,6 +62,19 @@ RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations re
 }
 
 
+def layer_spec(qk_norm: bool):
+    """Megatron's local layer spec (no Transformer Engine) with its core attention replaced by
+    PyTorch's fused kernels (rft/trainer/attention.py): flash attention on GPUs, variable-length
+    for packed microbatches, instead of an fp32 score matrix per head."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from rft.trainer.attention import FusedCoreAttention
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
+    return spec
+
+
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
                     recompute: str = "none"):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
@@ -73,7 +86,6 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
     from transformers import AutoConfig
 
@@ -128,7 +140,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=geo.qk_norm),
+        transformer_layer_spec=layer_spec(geo.qk_norm),
         vocab_size=padded_vocab(geo.vocab_size, tp),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

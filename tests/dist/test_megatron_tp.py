@@ -13,7 +13,7 @@ SEQUENCES = [[1, 5, 6, 14, 7, 8, 17, 9, 10, 2], [1, 12, 13, 14, 20, 21, 17, 30, 
 def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
-    from rft.trainer.forward import causal_mask, vocab_parallel_logprobs
+    from rft.trainer.forward import vocab_parallel_logprobs
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.weights.convert import load_hf_weights
 
@@ -25,7 +25,7 @@ def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str)
     ids = torch.tensor(SEQUENCES)
     with torch.no_grad():
         local = model(input_ids=ids, position_ids=torch.arange(ids.shape[1]).expand_as(ids),
-                      attention_mask=causal_mask(ids.shape[1], ids.device))
+                      attention_mask=None)
         shards = [torch.empty_like(local) for _ in range(tp)]
         dist.all_gather(shards, local.contiguous())
         full = torch.cat(shards, dim=-1)[..., : geo.vocab_size]

@@ -22,8 +22,8 @@ def init_one_rank(port: int) -> None:
     init_model_parallel(1, seed=0)
 
 
-def run_one_rank(worker, model_dir: str, tmp_dir: str) -> dict:
-    """Run `worker` on one spawned rank; what it saved."""
+def run_one_rank(worker, model_dir: str, tmp_dir: str, gpu: bool = False) -> dict:
+    """Run `worker` on one spawned rank (on the CPU path unless `gpu`); what it saved."""
     out = os.path.join(tmp_dir, "out.pt")
-    start_ranks(worker, 1, free_port(), model_dir, out)
+    start_ranks(worker, 1, free_port(), model_dir, out, gpu=gpu)
     return torch.load(out)

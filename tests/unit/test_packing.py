@@ -1,6 +1,6 @@
 """Sequence packing (trainer.max_tokens_per_microbatch) on the tiny model with real megatron-core on
-one CPU gloo rank (spawned): packed microbatches (rows back to back, block-diagonal causal mask)
-give the padded path's logprobs, entropy, losses and gradients to 1e-5; logits computed at the
+one CPU gloo rank (spawned): packed microbatches (rows back to back, each attending to itself through
+cumulative sequence lengths) give the padded path's logprobs, entropy, losses and gradients to 1e-5; logits computed at the
 response targets alone give what logits at every position gave; and the token-budget microbatches
 hold every row once within the budget."""
 

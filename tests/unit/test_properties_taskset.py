@@ -34,7 +34,7 @@ TEMPLATES = ["{prompt}", "Q: {prompt}\nA:", "{{literal}} {prompt} ☃"]
 text = st.one_of(
     st.text(max_size=30),
     st.text(alphabet=st.sampled_from("\x00\t\r\x0b\x0c \u2028\u00a0é☃\U0001f600a{}\"\\"), max_size=12),
-    st.builds(lambda ch, n: ch * n, st.characters(), st.integers(10_000, 60_000)),
+    st.builds(lambda ch, n: ch * n, st.characters(codec="utf-8"), st.integers(10_000, 60_000)),
 )
 usable_text = text.filter(lambda s: s.strip())  # what the reader accepts as a prompt or text answer
 blank_text = st.text(alphabet=st.sampled_from(" \t\r\x0b\x0c\u00a0\u2028\u3000"), max_size=4)

@@ -193,6 +193,7 @@ class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps in this stage
     micro_batch_size: int = 8  # sequences per forward/backward (padded), unless the token budget below is set
     max_tokens_per_microbatch: int = 0  # >0: rows packed (no padding) up to this many tokens per forward/backward
+    skip_zero_advantage_rows: bool = True  # rows with advantage 0 everywhere skip the forward when only the policy loss sees them
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP (1 only for now)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step

@@ -1,12 +1,15 @@
 """Seconds per GRPO step of rft against TRL's GRPOTrainer, on the same workload in the same run.
 
     python tools/bench_grpo_step.py [--model smollm2_135m|PATH] [--prompts 8] [--samples 4]
-        [--max-new 64] [--steps 6] [--lr 1e-6] [--no-trl | --no-rft] [--out DIR] [rft overrides ...]
+        [--max-new 64] [--reward exact_match|math_verify] [--steps 6] [--lr 1e-6] [--no-trl | --no-rft]
+        [--out DIR] [rft overrides ...]
 
 The workload: an instruct model in fp32 (default SmolLM2-135M-Instruct, after
 `python tools/prepare_smollm2.py`), `--prompts` "a+b=" prompts per step with `--samples` samples
-each (the GRPO group), at most `--max-new` new tokens, exact-match reward on the sum; one step =
-generate + reward + train + weight sync into the generator.
+each (the GRPO group), at most `--max-new` new tokens, a reward on the sum (`--reward`: rft's
+`exact_match`, the first line is the sum, or `math_verify`, the final number in the response is;
+TRL's run calls the same function); one step = generate + reward + train + weight sync into the
+generator.
 
 rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM rank, synchronous),
 a GRPO stage of `--steps` steps (trailing arguments are further launcher overrides, e.g.
@@ -60,16 +63,17 @@ def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
 def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[tuple[int, dict[str, float]]]:
     """Run the GRPO stage through the launcher; each step's time split, from the ranks' metrics."""
     cmd = [sys.executable, "-m", "rft.launch", "cluster=local", "model=smollm2_135m", f"model.path={model_dir}",
-           f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", "algorithm.reward=exact_match",
+           f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", f"algorithm.reward={args.reward}",
            f"algorithm.group_size={args.samples}", f"algorithm.lr={args.lr}", "algorithm.kl_coef=0.0",
            f"rollout.tasks_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new}",
            f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.prompts * args.samples}",
            "monitor.eval_interval=0", "monitor.progress=false", *args.overrides]
     print("rft:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
-    lengths = [r["response_length/mean"] for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
-               if "response_length/mean" in r]
-    print("rft response tokens per sample, by step:", " ".join(f"{n:.1f}" for n in lengths), flush=True)
+    rows = read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
+    for key, what in (("response_length/mean", "response tokens per sample"), ("reward/mean", "mean reward"),
+                      ("train/rows_skipped", "rows of advantage 0 not forwarded")):
+        print(f"rft {what}, by step:", " ".join(f"{r[key]:.1f}" for r in rows if key in r), flush=True)
     return step_splits(out)
 
 
@@ -97,8 +101,12 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
             if logs and "completions/mean_length" in logs:
                 lengths.append(logs["completions/mean_length"])
 
-    def exact_sum(completions, answer, **_):
-        return [float(c[0]["content"].strip() == a) for c, a in zip(completions, answer)]
+    from rft.explorer.rewards import first_line_matches, math_verify_answer
+
+    score = {"exact_match": first_line_matches, "math_verify": math_verify_answer}[args.reward]
+
+    def exact_sum(completions, answer, **_):  # rft's reward function on the same text
+        return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
 
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"]}
                                  for t in tasks])
@@ -133,6 +141,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--reward", default="exact_match", choices=["exact_match", "math_verify"])
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--no-trl", action="store_true", help="time rft alone")
     parser.add_argument("--no-rft", action="store_true", help="time TRL alone")

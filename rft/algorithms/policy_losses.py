@@ -23,6 +23,11 @@ tokens; weight them by its token count to combine microbatches.
                                       loss (e.g. `truncated_is_weights` for vLLM/trainer mismatch);
                                       per microbatch, so set it on a per-call copy of the config
                                       (dataclasses.replace or types.SimpleNamespace). Not "sft".
+
+Metadata: `zero_at_zero_advantage=True` (a user's loss: `fn.rft_meta = {"zero_at_zero_advantage":
+True}`) promises that where the advantage is 0 the per-token loss and its gradient are 0, so the
+trainer may leave rows whose advantages are all 0 out of the forward
+(trainer.skip_zero_advantage_rows, rft/trainer/train_step.py).
 """
 
 from __future__ import annotations
@@ -82,7 +87,7 @@ def _clipped_surrogate(ratio: torch.Tensor, adv: torch.Tensor, mask: torch.Tenso
     return loss, {"clipfrac": masked_token_mean((clipped > unclipped).float(), mask).detach()}
 
 
-@POLICY_LOSSES.register("ppo")
+@POLICY_LOSSES.register("ppo", zero_at_zero_advantage=True)
 def ppo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
         mask: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, Metrics]:
     """PPO clipped surrogate with asymmetric bounds (DAPO clip-higher) and optional dual-clip.
@@ -115,7 +120,7 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return diff.sum(dim=-1) / mask.bool().sum(dim=-1).clamp(min=1)
 
 
-@POLICY_LOSSES.register("gspo")
+@POLICY_LOSSES.register("gspo", zero_at_zero_advantage=True)
 def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
          mask: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, Metrics]:
     """GSPO (Zheng et al., Qwen), GSPO-token form as in verl's compute_policy_loss_gspo.
@@ -136,7 +141,7 @@ def gspo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.T
     return _finish(loss, mask, cfg), metrics
 
 
-@POLICY_LOSSES.register("cispo")
+@POLICY_LOSSES.register("cispo", zero_at_zero_advantage=True)
 def cispo(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
           mask: torch.Tensor, cfg: Any) -> tuple[torch.Tensor, Metrics]:
     """CISPO (MiniMax-M1): REINFORCE weighted by a clipped, stop-gradient IS weight.

@@ -190,7 +190,7 @@ def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) ->
 def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
                pad_id: int, ref_model=None, norm_len: int = 1, critic=None,
                per_optimizer_step: list[dict[str, float]] | None = None,
-               max_tokens_per_microbatch: int = 0) -> dict[str, float]:
+               max_tokens_per_microbatch: int = 0, skip_zero_advantage: bool = False) -> dict[str, float]:
     """`algorithm.ppo_epochs` passes over the batch, each in mini-batches of
     `algorithm.mini_batch_size` rows, one optimizer step per mini-batch (one step for the whole
     batch by default). Everything the updates are measured against is computed once, before the
@@ -201,7 +201,14 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     aggregation (max response length). `critic` (rft.trainer.critic.Critic, RL batches only): its
     values before the update feed the advantage estimator, its returns are the critic's targets,
     and it steps after each of the policy's steps. Microbatches: `micro_batch_size` rows padded, or
-    with `max_tokens_per_microbatch` rows packed up to that many tokens (rft/trainer/microbatches.py)."""
+    with `max_tokens_per_microbatch` rows packed up to that many tokens (rft/trainer/microbatches.py).
+
+    `skip_zero_advantage` (trainer.skip_zero_advantage_rows): rows whose advantage is 0 at every
+    response token are not forwarded when nothing else in the loss reaches them (see
+    `_rows_without_gradient`): their gradient is exactly 0, and every loss is still normalised by
+    the whole (mini-)batch's counts, so the update is the one the full batch gives. Token
+    statistics of the forward (`actor/entropy`, `actor/clipfrac`) then cover the rows trained;
+    `train/rows_skipped` counts the others."""
     from megatron.core import parallel_state as ps
 
     dp_rank, dp_size, dp_group = _dp()
@@ -218,13 +225,20 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
                                 pad_id, device, [batch.mask_of(i) for i in idx], packed) for idx in idx_chunks]
 
-    steps = [micro(rows) for rows in mini_batches(len(batch.prompt_ids), algo.mini_batch_size, dp_rank, dp_size)]
+    use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
+    early = None  # advantages from the rewards alone, on every rank, when rows may be skipped
+    if skip_zero_advantage and is_rl and not use_ref and critic is None and algo.entropy_coef == 0 \
+            and algo.tis_cap is None and POLICY_LOSSES.meta(POLICY_LOSSES.resolve(algo.policy_loss)).get(
+                "zero_at_zero_advantage"):
+        early = batch_advantages(batch, algo, None)
+    skipped = _rows_without_gradient(batch, early) if early is not None else set()
+    step_rows = mini_batches(len(batch.prompt_ids), algo.mini_batch_size, dp_rank, dp_size)
+    steps = [micro([i for i in rows if i not in skipped]) for rows in step_rows]
     step_mbs = [pack(chunks) for chunks in steps]
     chunks = [c for step in steps for c in step]  # this rank's rows, for the forwards before any update
     mbs = [mb for step in step_mbs for mb in step]
-    rows = [i for c in chunks for i in c]
+    rows = [i for step in step_rows for i in step]
     width = max((len(r) for r in batch.response_ids), default=0)
-    use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
     ref_logprobs = None
     if use_ref and algo.kl_mode == "loss":
         ref_logprobs = _response_aligned(batch, chunks, forward_logprobs_pipelined(ref_model, mbs), width)
@@ -239,7 +253,7 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     advantages = returns = rollout_old = trainer_old = None
     if is_rl and ps.is_pipeline_last_stage():
         ref_response = _response_aligned(batch, all_chunks, ref_all, width) if ref_all is not None else None
-        estimated = batch_advantages(batch, algo, ref_response, old_values)
+        estimated = early if early is not None else batch_advantages(batch, algo, ref_response, old_values)
         advantages, returns = estimated.advantages, estimated.returns
         rollout_old = _response_tensors(batch)[1]
     if is_rl and algo.tis_cap is not None:  # the trainer's own logprobs before any update: the PPO ratio's base
@@ -247,16 +261,29 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     fixed = Fixed(advantages, rollout_old, trainer_old, ref_logprobs, old_values, returns)
     done = []
     for _epoch in range(algo.ppo_epochs):
-        for step_chunks, step_mb in zip(steps, step_mbs):
+        for all_rows, step_chunks, step_mb in zip(step_rows, steps, step_mbs):
             done.append(_optimizer_step(model, optimizer, batch, algo, step_chunks, step_mb, fixed, norm_len,
-                                        critic))
+                                        critic, all_rows, bool(skipped)))
     if per_optimizer_step is not None:
         per_optimizer_step.extend(done)
     metrics = {k: sum(d[k] for d in done) / len(done) for k in done[0]}
     metrics["actor/step_skipped"] = sum(d["actor/step_skipped"] for d in done)
     metrics["train/tokens"] = _global_counts(batch, rows, dp_group, dp_size)[0]  # the batch's, once
     metrics["train/optimizer_steps"] = float(len(done))
+    if early is not None:
+        metrics["train/rows_skipped"] = float(len(skipped))  # the batch's (every rank computes the same set)
     return metrics
+
+
+def _rows_without_gradient(batch: StepBatch, estimated: AdvantageOutputs) -> set[int]:
+    """Rows whose advantage is 0 at every response token to train: a group whose samples all scored
+    the same, under a group-relative estimator. Called only when the loss is the policy term alone
+    (no KL to a reference, no entropy bonus, no critic, no trainer-side importance weights) and the
+    policy loss is registered `zero_at_zero_advantage` (its per-token loss and gradient are 0
+    where the advantage is), so such a row adds exactly nothing to the update."""
+    mask, _ = _response_tensors(batch)
+    moved = (estimated.advantages * mask).abs().sum(dim=1)
+    return {i for i in range(len(batch.response_ids)) if moved[i] == 0}
 
 
 @dataclass
@@ -285,12 +312,16 @@ def _response_aligned(batch: StepBatch, chunks: list[list[int]], packed: list[to
 
 def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig,
                     chunks: list[list[int]], mbs: list[Microbatch], fixed: Fixed, norm_len: int,
-                    critic) -> dict[str, float]:
+                    critic, all_rows: list[int], skipping: bool) -> dict[str, float]:
     """One optimizer step on the rows of `chunks` (this DP rank's share of a mini-batch, packed as
-    `mbs`), the loss normalised by the mini-batch's counts over every DP rank."""
+    `mbs`; `all_rows` with the rows skipped for a zero advantage), the loss normalised by the
+    mini-batch's counts over every DP rank. `skipping`: the batch has skipped rows (the same on
+    every rank, which all take part in the count of the rows trained)."""
     _, dp_size, dp_group = _dp()
     is_rl = batch.rewards is not None
-    num_tokens, num_seqs = _global_counts(batch, [i for c in chunks for i in c], dp_group, dp_size)
+    num_tokens, num_seqs = _global_counts(batch, all_rows, dp_group, dp_size)
+    trained_tokens = _global_counts(batch, [i for c in chunks for i in c], dp_group, dp_size)[0] if skipping \
+        else num_tokens
     sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0, "actor/is_weight": 0.0}
     policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
     aggregate = AGGREGATIONS.resolve(algo.loss_agg)
@@ -326,7 +357,10 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
         return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
     sums, result = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
-    metrics = {k: v / num_tokens for k, v in sums.items()}
+    # the loss terms over every token of the mini-batch (a skipped row's are 0); the forward's own
+    # statistics over the tokens it saw
+    metrics = {k: v / (trained_tokens if k in ("actor/entropy", "actor/clipfrac", "actor/is_weight") else num_tokens)
+               for k, v in sums.items()}
     if algo.tis_cap is None or not is_rl:  # (trainer_old is None on all but the last PP stage)
         del metrics["actor/is_weight"]
     metrics.update(step_scalars(result))

@@ -238,7 +238,8 @@ class Learner:
             optimizer_steps: list[dict[str, float]] = []
             metrics = train_step(self.model, self.optimizer, batch, algo, trainer.micro_batch_size, self.pad_id,
                                  self.ref_model, algo.loss_agg_norm_len or stage.cfg.rollout.max_new_tokens,
-                                 self.critic, optimizer_steps, trainer.max_tokens_per_microbatch)
+                                 self.critic, optimizer_steps, trainer.max_tokens_per_microbatch,
+                                 trainer.skip_zero_advantage_rows)
             self._log_optimizer_steps(optimizer_steps)
         if not drop:
             self.scheduler.step()

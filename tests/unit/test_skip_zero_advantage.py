@@ -1,0 +1,103 @@
+"""trainer.skip_zero_advantage_rows on the tiny model (real megatron-core, one CPU gloo rank):
+rows whose advantages are all 0 (groups whose samples scored alike) are left out of the forward,
+and the update is the full batch's: the same gradients, the same policy loss, padded and packed,
+over PPO epochs and mini-batches; a loss term that does reach those rows (an entropy bonus)
+keeps them in."""
+
+import pytest
+import torch
+
+from rft.config import TinyModelConfig
+from rft.models.tiny import create_tiny_model
+from tests.unit.one_rank import init_one_rank, run_one_rank
+from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES
+
+REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]  # group 1 all right, group 2 all wrong: 4 rows of advantage 0
+GROUPS = [0, 0, 1, 1, 2, 2]
+CASES = {  # name: (algorithm overrides, token budget)
+    "padded": ({}, 0),
+    "packed": ({}, 16),
+    "epochs": ({"ppo_epochs": 2, "mini_batch_size": 3}, 0),
+    "entropy": ({"entropy_coef": 0.01}, 0),
+}
+
+
+class EveryStepOptimizer:
+    """The optimizer contract, recording the gradients of every optimizer step (zeros where no
+    loss reached a parameter, as rft's optimizers take them) and never changing the weights."""
+
+    def __init__(self, model):
+        self.model, self.param_groups, self.steps = model, [{"lr": 0.0}], []
+
+    def zero_grad(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+
+    def scale_loss(self, loss):
+        return loss
+
+    def step(self, grad_clip: float):
+        from rft.trainer.optimizer import StepResult
+
+        self.steps.append({n: torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                           for n, p in self.model.named_parameters()})
+        return StepResult(True, 0.0, 1.0)
+
+
+def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from rft.config import AlgorithmConfig
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.train_step import StepBatch, train_step
+    from rft.weights.convert import load_hf_weights
+
+    init_one_rank(port)
+    model, geo = build_gpt_model(model_dir)
+    load_hf_weights(model, load_hf_state(model_dir), geo)
+    gen = torch.Generator().manual_seed(0)
+    batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=REWARDS,
+                      old_logprobs=[(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES],
+                      group_ids=GROUPS)
+    res = {}
+    for name, (overrides, budget) in CASES.items():
+        algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", **overrides)
+        for skip in (False, True):
+            optimizer = EveryStepOptimizer(model)
+            forwards = []
+            handle = model.register_forward_hook(lambda _m, _a, out: forwards.append(out.shape[1]))
+            metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget,
+                                 skip_zero_advantage=skip)
+            handle.remove()
+            res[name, skip] = (metrics, optimizer.steps, forwards)
+    torch.save(res, out)
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("skip_zero_advantage")
+    model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
+    return run_one_rank(_worker, model_dir, str(tmp))
+
+
+@pytest.mark.parametrize("case", ["padded", "packed", "epochs"])
+def test_rows_of_zero_advantage_are_skipped_and_the_update_is_the_same(run, case):
+    (full, full_steps, full_forwards), (skipping, steps, forwards) = run[case, False], run[case, True]
+    assert "train/rows_skipped" not in full
+    assert skipping["train/rows_skipped"] == 4
+    assert skipping["train/tokens"] == full["train/tokens"]  # the batch's, skipped rows included
+    assert skipping["train/optimizer_steps"] == full["train/optimizer_steps"] == len(steps) == len(full_steps)
+    assert sum(forwards) < sum(full_forwards)  # fewer positions went through the model
+    assert skipping["loss/policy"] == pytest.approx(full["loss/policy"], abs=1e-7)
+    for grads, full_grads in zip(steps, full_steps):
+        for name, grad in full_grads.items():
+            torch.testing.assert_close(grads[name], grad, atol=1e-7, rtol=1e-5, msg=name)
+    assert any(g.abs().sum() > 0 for g in steps[0].values())
+
+
+def test_a_loss_term_on_every_row_keeps_them_all(run):
+    (full, full_steps, full_forwards), (skipping, steps, forwards) = run["entropy", False], run["entropy", True]
+    assert "train/rows_skipped" not in skipping
+    assert forwards == full_forwards
+    for name, grad in full_steps[0].items():
+        torch.testing.assert_close(steps[0][name], grad, atol=0, rtol=0, msg=name)

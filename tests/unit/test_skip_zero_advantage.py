@@ -99,5 +99,6 @@ def test_a_loss_term_on_every_row_keeps_them_all(run):
     (full, full_steps, full_forwards), (skipping, steps, forwards) = run["entropy", False], run["entropy", True]
     assert "train/rows_skipped" not in skipping
     assert forwards == full_forwards
+    assert skipping["actor/entropy"] == full["actor/entropy"]
     for name, grad in full_steps[0].items():
         torch.testing.assert_close(steps[0][name], grad, atol=0, rtol=0, msg=name)

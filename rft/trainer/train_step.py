@@ -19,6 +19,7 @@ policy's.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 
@@ -177,14 +178,17 @@ def step_scalars(result: StepResult, prefix: str = "actor") -> dict[str, float]:
     return scalars
 
 
-def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int) -> tuple[float, float]:
+def _global_counts(batch: StepBatch, rows: list[int], dp_group, dp_size: int,
+                   at_least_one: bool = True) -> tuple[float, float]:
     """Response tokens to train and responses with at least one of them, in the whole batch
-    (summed over DP ranks)."""
+    (summed over DP ranks); at least 1 each (they divide), unless `at_least_one` is False."""
     counts = torch.tensor([float(sum(sum(batch.mask_of(i)) for i in rows)),
                            float(sum(1 for i in rows if any(batch.mask_of(i))))], device=collective_device())
     if dp_size > 1:
         dist.all_reduce(counts, group=dp_group)
-    return float(counts[0].clamp(min=1)), float(counts[1].clamp(min=1))
+    if at_least_one:
+        counts = counts.clamp(min=1)
+    return float(counts[0]), float(counts[1])
 
 
 def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
@@ -266,7 +270,8 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
                                         critic, all_rows, bool(skipped)))
     if per_optimizer_step is not None:
         per_optimizer_step.extend(done)
-    metrics = {k: sum(d[k] for d in done) / len(done) for k in done[0]}
+    # each scalar's mean over the optimizer steps that have it (a step that trained no row has no entropy)
+    metrics = {k: statistics.fmean(d[k] for d in done if k in d) for k in dict.fromkeys(k for d in done for k in d)}
     metrics["actor/step_skipped"] = sum(d["actor/step_skipped"] for d in done)
     metrics["train/tokens"] = _global_counts(batch, rows, dp_group, dp_size)[0]  # the batch's, once
     metrics["train/optimizer_steps"] = float(len(done))
@@ -320,8 +325,8 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
     _, dp_size, dp_group = _dp()
     is_rl = batch.rewards is not None
     num_tokens, num_seqs = _global_counts(batch, all_rows, dp_group, dp_size)
-    trained_tokens = _global_counts(batch, [i for c in chunks for i in c], dp_group, dp_size)[0] if skipping \
-        else num_tokens
+    trained_tokens = _global_counts(batch, [i for c in chunks for i in c], dp_group, dp_size, False)[0] \
+        if skipping else num_tokens
     sums = {"loss/policy": 0.0, "loss/kl": 0.0, "actor/entropy": 0.0, "actor/clipfrac": 0.0, "actor/is_weight": 0.0}
     policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
     aggregate = AGGREGATIONS.resolve(algo.loss_agg)
@@ -359,10 +364,11 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
     sums, result = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
     # the loss terms over every token of the mini-batch (a skipped row's are 0); the forward's own
     # statistics over the tokens it saw
-    metrics = {k: v / (trained_tokens if k in ("actor/entropy", "actor/clipfrac", "actor/is_weight") else num_tokens)
-               for k, v in sums.items()}
+    forward_stats = ("actor/entropy", "actor/clipfrac", "actor/is_weight")
+    metrics = {k: v / (trained_tokens if k in forward_stats else num_tokens) for k, v in sums.items()
+               if trained_tokens or k not in forward_stats}  # no row trained: no entropy to report, not 0
     if algo.tis_cap is None or not is_rl:  # (trainer_old is None on all but the last PP stage)
-        del metrics["actor/is_weight"]
+        metrics.pop("actor/is_weight", None)
     metrics.update(step_scalars(result))
     if not is_rl:
         metrics["loss/sft"] = metrics["loss/policy"]

@@ -14,11 +14,12 @@ from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES
 
 REWARDS = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]  # group 1 all right, group 2 all wrong: 4 rows of advantage 0
 GROUPS = [0, 0, 1, 1, 2, 2]
-CASES = {  # name: (algorithm overrides, token budget)
-    "padded": ({}, 0),
-    "packed": ({}, 16),
-    "epochs": ({"ppo_epochs": 2, "mini_batch_size": 3}, 0),
-    "entropy": ({"entropy_coef": 0.01}, 0),
+CASES = {  # name: (algorithm overrides, token budget, rewards)
+    "padded": ({}, 0, REWARDS),
+    "packed": ({}, 16, REWARDS),
+    "epochs": ({"ppo_epochs": 2, "mini_batch_size": 3}, 0, REWARDS),
+    "entropy": ({"entropy_coef": 0.01}, 0, REWARDS),
+    "all_alike": ({}, 0, [1.0] * 6),  # no row left to forward
 }
 
 
@@ -55,11 +56,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     model, geo = build_gpt_model(model_dir)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     gen = torch.Generator().manual_seed(0)
-    batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=REWARDS,
-                      old_logprobs=[(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES],
-                      group_ids=GROUPS)
+    old_logprobs = [(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES]
     res = {}
-    for name, (overrides, budget) in CASES.items():
+    for name, (overrides, budget, rewards) in CASES.items():
+        batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=rewards,
+                          old_logprobs=old_logprobs, group_ids=GROUPS)
         algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", **overrides)
         for skip in (False, True):
             optimizer = EveryStepOptimizer(model)
@@ -102,3 +103,12 @@ def test_a_loss_term_on_every_row_keeps_them_all(run):
     assert skipping["actor/entropy"] == full["actor/entropy"]
     for name, grad in full_steps[0].items():
         torch.testing.assert_close(steps[0][name], grad, atol=0, rtol=0, msg=name)
+
+
+def test_a_batch_without_a_row_to_train_still_steps_and_reports_no_entropy(run):
+    (full, full_steps, _), (skipping, steps, forwards) = run["all_alike", False], run["all_alike", True]
+    assert skipping["train/rows_skipped"] == 6 and forwards == []
+    assert len(steps) == 1  # the optimizer still steps: Adam's moments move on zero gradients too
+    assert all(not g.any() for g in steps[0].values()) and all(not g.any() for g in full_steps[0].values())
+    assert "actor/entropy" not in skipping and "actor/entropy" in full  # not a misleading 0
+    assert skipping["loss/policy"] == full["loss/policy"] == 0

@@ -9,10 +9,11 @@ megatron-core's DDP and optimizer with fp32 master weights, the model in `--dtyp
 plain-torch equivalent. Rows are random token ids with response lengths drawn up to
 `--response-len` (half to full, as sampled responses vary), packed up to `--budget` tokens per
 microbatch (0: `--micro-batch` padded rows). A config.json stands for a model of that shape with
-random weights (no download: tools/configs/qwen2_0.5b.json is Qwen2.5-0.5B's shape). One warm-up
+random weights (no download: tools/configs/qwen2_0.5b.json and qwen2_1.5b.json are Qwen2.5-0.5B's
+and -1.5B's shapes; tools/gpu_truth.sh runs the settings the README reports). One warm-up
 step, then `--steps` timed ones. MFU counts 6 x parameters x tokens per step (the dense matmuls;
-attention is left out, so it understates long sequences) against `--peak-tflops` (H100 SXM dense
-bf16: 989). Prints a row per step; the last line is one JSON object.
+attention is left out, so it understates long sequences) against `--peak-tflops` (H100 SXM and
+H200 dense bf16: 989). Prints a row per step; the last line is one JSON object.
 """
 
 from __future__ import annotations

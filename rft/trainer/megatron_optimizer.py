@@ -1,8 +1,8 @@
 """The optimizer contract of rft/trainer/optimizer.py on CUDA: megatron-core's own machinery.
 
 GPU path: CI has no GPU, so this file runs only where CUDA is present (tests marked `gpu`,
-tools/bench_gpu_grpo.py); the CPU path (rft/trainer/master_weights.py) covers the same contract
-with gloo.
+tools/bench_trainer.py, both run by tools/gpu_truth.sh; run on an H200, see the README's
+Benchmarks); the CPU path (rft/trainer/master_weights.py) covers the same contract with gloo.
 
   - `DistributedDataParallel` gives every parameter an fp32 `main_grad` in contiguous buffers
     (`grad_reduce_in_fp32`) that its backward hooks accumulate into; `finalize_model_grads` sums

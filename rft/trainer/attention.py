@@ -46,7 +46,8 @@ def _varlen_kwargs() -> dict | None:
 
 class FusedCoreAttention(MegatronModule):
     """Megatron's core-attention interface: q [s, b, heads, d] (packed: [t, heads, d]), k and v
-    with the query groups' heads; returns [s, b, heads * d] (packed: [t, heads * d])."""
+    with the query groups' heads; returns [s, b, heads * d] (packed: [t, heads * d]). Always
+    causal: `attention_mask` is not read (rft/trainer/forward.py passes none)."""
 
     def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
                  attention_dropout: float | None = None, softmax_scale: float | None = None,

@@ -90,11 +90,12 @@ def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[
     # sequence i's target t (predicting its token t+1) sits at starts[i] + t of the packed row
     t = torch.arange(width - 1)
     row_index = torch.where(t[None, :] < torch.tensor(lengths)[:, None] - 1, starts[:, None] + t[None, :], -1)
-    return Microbatch(ids[None].to(device), mask, positions[None].to(device), _thd(lengths, device),
+    return Microbatch(ids[None].to(device), mask, positions[None].to(device), thd_params(lengths, device),
                       row_index.to(device), targets)
 
 
-def _thd(lengths: list[int], device: torch.device):
+def thd_params(lengths: list[int], device: torch.device):
+    """Megatron's PackedSeqParams for sequences of `lengths` back to back in one row."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32).to(device)

@@ -22,8 +22,13 @@ def init_one_rank(port: int) -> None:
     init_model_parallel(1, seed=0)
 
 
-def run_one_rank(worker, model_dir: str, tmp_dir: str, gpu: bool = False) -> dict:
-    """Run `worker` on one spawned rank (on the CPU path unless `gpu`); what it saved."""
+def run_one_rank(worker, tmp_dir: str, gpu: bool = False) -> dict:
+    """Run `worker` on one spawned rank (on the CPU path unless `gpu`) with the tiny model (default
+    shape, seed 0) written to `tmp_dir`/model; what it saved."""
+    from rft.config import TinyModelConfig
+    from rft.models.tiny import create_tiny_model
+
+    model_dir = create_tiny_model(TinyModelConfig(), os.path.join(tmp_dir, "model"), seed=0)
     out = os.path.join(tmp_dir, "out.pt")
     start_ranks(worker, 1, free_port(), model_dir, out, gpu=gpu)
     return torch.load(out)

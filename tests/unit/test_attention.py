@@ -12,8 +12,7 @@ import math
 import pytest
 import torch
 
-from rft.config import TinyModelConfig
-from rft.models.tiny import create_tiny_model
+from rft.trainer.forward import thd_params
 from tests.unit.one_rank import init_one_rank, run_one_rank
 
 HEADS, GROUPS, DIM = 4, 2, 16
@@ -48,14 +47,6 @@ def _qkv(total: int, device: str = "cpu", dtype=torch.float32):
             for heads in (HEADS, GROUPS, GROUPS)]
 
 
-def _packed_params(device: str = "cpu"):
-    from megatron.core.packed_seq_params import PackedSeqParams
-
-    cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(device, torch.int32)
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max(LENGTHS), max_seqlen_kv=max(LENGTHS))
-
-
 def _packed_reference(q, k, v) -> torch.Tensor:
     split = [x.split(LENGTHS) for x in (q, k, v)]
     return torch.cat([_reference(*seq) for seq in zip(*split)])
@@ -75,7 +66,7 @@ def test_padded_rows_are_causal_attention_per_row():
 def test_packed_rows_attend_within_their_sequence_only():
     attention = _attention()
     q, k, v = _qkv(sum(LENGTHS))
-    out = attention(q, k, v, None, packed_seq_params=_packed_params())
+    out = attention(q, k, v, None, packed_seq_params=thd_params(LENGTHS, torch.device("cpu")))
     expected = _packed_reference(q, k, v)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
     # and the gradients: the backward must not leak across sequences either
@@ -119,10 +110,9 @@ def test_flash_kernels_on_gpu(tmp_path):
     attention = _attention("cuda")
     for dtype, tolerance in ((torch.float32, 1e-4), (torch.bfloat16, 2e-2)):
         q, k, v = _qkv(sum(LENGTHS), "cuda", dtype)
-        out = attention(q, k, v, None, packed_seq_params=_packed_params("cuda"))
+        out = attention(q, k, v, None, packed_seq_params=thd_params(LENGTHS, torch.device("cuda")))
         torch.testing.assert_close(out.double(), _packed_reference(q, k, v), atol=tolerance, rtol=tolerance)
-    model_dir = create_tiny_model(TinyModelConfig(), str(tmp_path / "model"), seed=0)
-    res = run_one_rank(_model_worker, model_dir, str(tmp_path), gpu=True)
+    res = run_one_rank(_model_worker, str(tmp_path), gpu=True)
     for dtype, tolerance in (("float32", 1e-4), ("bfloat16", 5e-2)):
         (pad_lp, pad_ent, mask), (pack_lp, pack_ent, _) = res[dtype, False], res[dtype, True]
         valid = mask > 0

@@ -8,8 +8,6 @@ hold every row once within the budget."""
 import pytest
 import torch
 
-from rft.config import TinyModelConfig
-from rft.models.tiny import create_tiny_model
 from rft.trainer.microbatches import microbatches, mini_batches
 from tests.unit.one_rank import init_one_rank, run_one_rank
 
@@ -82,9 +80,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("packing")
-    model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    return run_one_rank(_worker, model_dir, str(tmp))
+    return run_one_rank(_worker, str(tmp_path_factory.mktemp("packing")))
 
 
 def test_packed_forward_equals_padded(run):

@@ -9,8 +9,6 @@ torch AdamW)."""
 import pytest
 import torch
 
-from rft.config import TinyModelConfig
-from rft.models.tiny import create_tiny_model
 from tests.unit.one_rank import init_one_rank, run_one_rank
 
 PROMPTS = [[1, 5, 6, 14], [1, 12, 13], [1, 20, 21, 17, 30], [1, 9], [1, 3, 4], [1, 22], [1, 8, 8, 9], [1, 40]]
@@ -98,9 +96,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
-    tmp = tmp_path_factory.mktemp("ppo_epochs")
-    model_dir = create_tiny_model(TinyModelConfig(), str(tmp / "model"), seed=0)
-    return run_one_rank(_worker, model_dir, str(tmp))
+    return run_one_rank(_worker, str(tmp_path_factory.mktemp("ppo_epochs")))
 
 
 def test_two_epochs_of_two_mini_batches_are_four_optimizer_steps(run):

@@ -3,8 +3,6 @@ gloo rank (spawned): selective and full recompute give the same loss and gradien
 
 import torch
 
-from rft.config import TinyModelConfig
-from rft.models.tiny import create_tiny_model
 from tests.unit.one_rank import init_one_rank, run_one_rank
 from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES, CapturingOptimizer
 
@@ -30,8 +28,7 @@ def _recompute_worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
 
 def test_activation_recompute_gives_the_same_gradients(tmp_path):
-    model_dir = create_tiny_model(TinyModelConfig(), str(tmp_path / "model"), seed=0)
-    res = run_one_rank(_recompute_worker, model_dir, str(tmp_path))
+    res = run_one_rank(_recompute_worker, str(tmp_path))
     (metrics, grads) = res["none"]
     for recompute in ("selective", "full"):
         assert res[recompute][0]["loss/policy"] == metrics["loss/policy"]

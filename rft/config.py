@@ -18,7 +18,7 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, ListConfig, OmegaConf
 
-from rft.data.config import ReplayConfig, SelectorConfig
+from rft.data.config import JudgeDifficultyConfig, ReplayConfig, SelectorConfig
 
 
 @dataclass
@@ -82,6 +82,7 @@ class DataConfig:
     messages_key: str = "messages"  # SFT rows: a column of chat messages trains every assistant turn
     selector: SelectorConfig = field(default_factory=SelectorConfig)  # which tasks each step explores
     operators: list[Any] = field(default_factory=list)  # task operators run on train_path before the stage (rft/data/task_operators.py)
+    judge_difficulty: JudgeDifficultyConfig = field(default_factory=JudgeDifficultyConfig)  # judges score each train task (rft/data/judge_difficulty.py)
 
 
 LR_DECAYS = ("constant", "linear", "cosine")  # algorithm.lr_decay (rft/trainer/optimizer.py)
@@ -561,10 +562,12 @@ def _check_data_pipeline(prefix: str, stage: RFTConfig) -> None:
     """The stage's task selector and task operators, and the run's experience operators and replay
     (rft/data/config.py): each a built-in or a dotted path, with arguments it takes."""
     from rft.buffer.operators import EXPERIENCE_OPERATORS
-    from rft.data.config import check_operators, check_replay, check_selector
+    from rft.data.config import check_judge_difficulty, check_operators, check_replay, check_selector
     from rft.data.task_operators import TASK_OPERATORS
 
     check_selector(prefix, stage.data.selector, needs_rollouts(stage))
+    check_judge_difficulty(prefix, stage.data.judge_difficulty, needs_rollouts(stage), stage.cluster.judge_ranks,
+                           stage.judge.kind)
     check_operators(f"{prefix}data.operators", stage.data.operators, TASK_OPERATORS)
     check_operators("buffer.operators", stage.buffer.operators, EXPERIENCE_OPERATORS)
     check_replay(stage.buffer.replay)

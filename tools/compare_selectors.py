@@ -35,6 +35,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_STEPS = 2000  # the quickstart's warm-up (conf/experiment/quickstart.yaml)
 EASY_HEAVY_HARD = 300  # problems with carries kept in the easy_heavy taskset (~1500 have none)
 SMALL = 400  # problems in the small taskset
+SPARSE, SPARSE_EVERY = 1000, 5  # the sparse taskset: 1000 problems, every fifth with its true answer
 
 
 def launch(overrides: list[str], log: str) -> None:
@@ -77,6 +78,9 @@ def taskset(root: str, base: str, name: str) -> str:
         rows = [json.loads(line) for line in f]
     if name == "small":
         kept = rows[:SMALL]
+    elif name == "sparse":  # four in five answers wrong: few tasks teach anything
+        kept = [r if i % SPARSE_EVERY == 0 else dict(r, answer=str(int(r["answer"]) + 7))
+                for i, r in enumerate(rows[:SPARSE])]
     elif name == "noisy":  # every other row's answer is wrong: a task no policy can solve
         kept = [dict(r, answer=str(int(r["answer"]) + 7)) if i % 2 else r for i, r in enumerate(rows)]
     else:
@@ -123,7 +127,7 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy"], default="quickstart")
+    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy", "sparse"], default="quickstart")
     parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"])
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")

@@ -42,6 +42,19 @@ class SelectorConfig:
 
 
 @dataclass
+class JudgeDifficultyConfig:
+    """Ask the judge engines how hard each training task is (rft/data/judge_difficulty.py)."""
+
+    enabled: bool = False
+    key: str = "difficulty"  # the column the scores fill (the curriculum selector's difficulty_key)
+    prompt: str = ("How hard is this problem? Answer with one number from 1 (very easy) to 10 (very hard).\n\n"
+                   "Problem: {prompt}\n\nDifficulty:")  # {prompt}: the task's prompt; {answer}: its reference answer
+    chat: bool = True  # ask through the judge's chat template (judge.chat); false: plain completion (any model)
+    max_new_tokens: int = 8  # length of the judge's answer
+    concurrency: int = 64  # calls in flight at once (vLLM batches them)
+
+
+@dataclass
 class ReplayConfig:
     """Experience trained on again (rft/buffer/replay.py). Off by default (groups_per_step 0)."""
 
@@ -110,6 +123,31 @@ def check_selector(prefix: str, selector: SelectorConfig, rollouts: bool) -> Non
             config_error(f"{key}.{name}", value, "use a positive number")
     if selector.prior_samples < 0:
         config_error(f"{key}.prior_samples", selector.prior_samples, "use 0 or more")
+
+
+def check_judge_difficulty(prefix: str, cfg: JudgeDifficultyConfig, rollouts: bool, judge_ranks: int,
+                           judge_kind: str) -> None:
+    from rft.config import config_error
+    from rft.data.judge_difficulty import check_template
+
+    key = f"{prefix}data.judge_difficulty"
+    if not cfg.enabled:
+        return
+    if not rollouts:
+        config_error(f"{key}.enabled", True, "the scores rank the tasks a stage explores, and this stage explores "
+                     "none (SFT, DPO): enable it on a GRPO/PPO stage")
+    if judge_ranks < 1 or judge_kind != "generate":
+        config_error(f"{key}.enabled", True, "the scores come from an LLM judge: set cluster.judge_ranks=1 (and "
+                     "judge.model=<HF model directory>) with judge.kind=generate")
+    if not cfg.key:
+        config_error(f"{key}.key", cfg.key, "name the column the scores fill, e.g. difficulty")
+    for name in ("max_new_tokens", "concurrency"):
+        if getattr(cfg, name) < 1:
+            config_error(f"{key}.{name}", getattr(cfg, name), "use 1 or more")
+    try:
+        check_template(cfg.prompt)
+    except ValueError as err:
+        config_error(f"{key}.prompt", cfg.prompt, str(err))
 
 
 def check_replay(replay: ReplayConfig) -> None:

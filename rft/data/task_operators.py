@@ -25,8 +25,8 @@ template makes all prompts look alike to "dedup" and English to "language_filter
 the raw column (e.g. key="question"). A task without that text is kept (there is nothing to judge),
 but a key that no task has is a ValueError, since it is almost surely a typo.
 
-Scoring difficulty with a judge model is not an operator here: it needs the in-job judge engine,
-which does not exist yet when the taskset is cleaned.
+Scoring difficulty with a judge model is not an operator here: it needs the in-job judge engines,
+which are not up yet when the taskset is cleaned; rft/data/judge_difficulty.py does it once they are.
 """
 
 from __future__ import annotations

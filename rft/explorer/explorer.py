@@ -27,6 +27,7 @@ from rft.buffer.operators import OperatorContext, OperatorPipeline
 from rft.buffer.shards import ExperienceBuffer
 from rft.data.config import operator_specs
 from rft.data.context_fit import ContextFit
+from rft.data.judge_difficulty import DifficultyScores, ask_judges, score_tasks, scores_path
 from rft.data.selectors import SELECTORS, build_selector
 from rft.data.taskset import Task, read_stage_tasks, row_scalars
 from rft.checkpoint import Resume
@@ -168,15 +169,30 @@ class Explorer:
 
         self.eval_tasks = tasks(data.eval_path)[: data.eval_limit] if data.eval_path else []
         self.selector = None
+        judged: dict[str, float] = {}  # data.judge_difficulty's counts, logged at the stage's start
         if needs_rollouts(stage.cfg):
             # tracked as "cursor": a checkpoint of the plain cursor resumes into the shuffle selector
-            selector = build_selector(tasks(data.train_path, train=True), cfg.seed + stage.index, data.selector)
+            train = tasks(data.train_path, train=True)
+            if data.judge_difficulty.enabled:
+                judged = self._judge_difficulty(stage, train).scalars()
+            selector = build_selector(train, cfg.seed + stage.index, data.selector)
             self.selector = self.runtime.state.track("cursor", selector, restore=stage.resumed)
             self.observes = not SELECTORS.meta(type(selector)).get("ignores_rewards")
         if not stage.resumed:
             files = [data.eval_path] + ([data.train_path] if self.selector else [])
-            self.runtime.log(stage, stage.start, row_scalars(rows, files))
+            self.runtime.log(stage, stage.start, {**row_scalars(rows, files), **judged})
             self.evaluate(stage, "start", stage.start)
+
+    def _judge_difficulty(self, stage: Stage, train: list[Task]) -> DifficultyScores:
+        """Fill the train tasks' difficulty column from the judges (data.judge_difficulty): engine 0
+        asks them and writes the scores; the other engines, and a resumed run, read its file."""
+        settings = stage.cfg.data.judge_difficulty
+        path = scores_path(self.cfg.run.output_dir, stage.name, stage.cfg.data.train_path)
+
+        def ask() -> DifficultyScores:
+            return self.engines[0].run(ask_judges(train, settings, self.judges))
+
+        return score_tasks(train, settings, path, ask if self.engine == 0 else None, self.cfg.sync.timeout_s)
 
     def end(self) -> None:
         self.runner.close()

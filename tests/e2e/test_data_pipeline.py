@@ -130,3 +130,38 @@ def test_groups_a_person_labels_during_the_run_are_trained_with_their_scores(tmp
     for r in rows:
         if r["review/rows"]:
             assert r["reward/mean"] * (r["review/rows"] + 32 * 8) >= r["review/rows"] * (1 - 1e-6)
+
+
+def test_a_judge_scores_every_task_once_and_the_curriculum_opens_with_the_lowest(tmp_path, exported_sft_model):
+    """data.judge_difficulty with a real judge engine: the quickstart's SFT'd model reads each
+    "a+b=" task through the template "{prompt}" and answers with a number (its sum, standing in for
+    a judge's rating), once per task before the GRPO stage; that number is the task's difficulty,
+    and the curriculum's batches come from the lowest quarter of them."""
+    from rft.data.judge_difficulty import first_number
+
+    run_dir = tmp_path / "run"
+    result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null",
+                    f"model.path={exported_sft_model}", "data.arithmetic.num_train=64", "data.arithmetic.num_eval=8",
+                    "cluster.judge_ranks=1", "judge.kv_cache_gb=0.25", "rollout.tasks_per_step=8",
+                    "stages=[{name: grpo, algorithm: {name: grpo, lr: 3.0e-4}, trainer: {max_steps: 3}}]",
+                    "data.judge_difficulty={enabled: true, chat: false, prompt: '{prompt}', max_new_tokens: 4}",
+                    "data.selector={name: curriculum, start_fraction: 0.25, pacing: step, pace_steps: 1000}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rank_logs = "".join(open(path).read() for path in (run_dir / "logs").glob("*_log.out"))
+    assert rank_logs.count("data.judge_difficulty: 64 tasks scored") == 1  # with progress, by engine 0
+    rows = [json.loads(line) for line in open(run_dir / "data" / "grpo" / "train.difficulty.jsonl")]
+    summary, scores = rows[0]["summary"], {row["id"]: row for row in rows[1:]}
+    assert len(scores) == 64 and summary["failed"] == 0
+    parsed = [row for row in scores.values() if first_number(row["reply"]) is not None]
+    assert all(row["score"] == first_number(row["reply"]) for row in parsed)
+    assert len(parsed) == 64 - summary["unparsed"]
+    # the judge read the task: the SFT'd model's number is the task's sum for most of them
+    tasks = [json.loads(line) for line in open(run_dir / "data" / "train.jsonl")]
+    right = sum(scores[str(i)]["score"] == float(task["answer"]) for i, task in enumerate(tasks))
+    assert right >= 32, right
+    assert json.load(open(run_dir / "summary.json"))["judge"]["calls"] == 64  # asked once, before the stage
+
+    # every step's tasks are among the 16 lowest scores (ties in file order, as the curriculum sorts)
+    lowest = set(sorted(scores, key=lambda i: (scores[i]["score"], int(i)))[:16])
+    chosen = selections(str(run_dir))
+    assert len(chosen) == 3 and all(set(ids) <= lowest for ids in chosen.values()), (chosen, lowest)

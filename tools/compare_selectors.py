@@ -3,6 +3,8 @@
     python tools/compare_selectors.py                      # quickstart: shuffle vs difficulty, 3 seeds
     python tools/compare_selectors.py --taskset easy_heavy # most tasks already solved (below)
     python tools/compare_selectors.py --selectors shuffle difficulty curriculum --seeds 0 1
+    python tools/compare_selectors.py --taskset sparse \
+        --selectors shuffle difficulty:weighting=variance,prior_samples=0  # data.selector options
 
 Runs the quickstart's SFT warm-up once (its HF export is the starting point of every GRPO run, so
 all selectors start from the same weights), then the quickstart's GRPO stage once per selector
@@ -18,8 +20,8 @@ whose tasks teach nothing any more, the case difficulty-aware selection is for (
 GSM8K); `small`, its first SMALL problems, so that 100 steps are 8 epochs and a selector chooses
 among tasks it has all seen (the regime of many epochs over a fixed taskset); `noisy`, every
 other problem's answer made wrong (noisy labels: tasks no policy solves, whose groups teach
-nothing). All evaluate on the
-quickstart's held-out set.
+nothing); `sparse`, its first SPARSE problems with four in five answers made wrong, so that one
+group in ten has a reward spread under shuffle. All evaluate on the quickstart's held-out set.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def warm_up(root: str, steps: int) -> str:
 
 
 def run_dir(root: str, base: str, train: str, selector: str, seed: int) -> str:
+    selector = selector.replace(":", "-").replace(",", "-").replace("=", "")  # difficulty-weightingvariance
     name = os.path.splitext(os.path.basename(train))[0]
     prefix = "" if os.path.basename(base) == "sft" else os.path.basename(base) + "-"  # another warm-up
     return os.path.join(root, f"{prefix}{'' if name == 'train' else name + '-'}{selector}-seed{seed}")
@@ -91,15 +94,23 @@ def taskset(root: str, base: str, name: str) -> str:
     return path
 
 
+def selector_overrides(spec: str) -> list[str]:
+    """`name` or `name:key=value,key=value` (e.g. difficulty:weighting=variance,revisit=0.75) as
+    data.selector overrides."""
+    name, _, options = spec.partition(":")
+    return [f"data.selector.name={name}"] + [f"data.selector.{kv}" for kv in options.split(",") if kv]
+
+
 def grpo(root: str, base: str, train: str, selector: str, seed: int, steps: int, eval_every: int) -> dict[int, float]:
-    """One GRPO stage from the warm-up's weights; held-out accuracy by GRPO step (0: the start)."""
+    """One GRPO stage from the warm-up's weights; held-out accuracy by GRPO step (0: the start).
+    `selector`: a spec of selector_overrides."""
     run = run_dir(root, base, train, selector, seed)
     if not os.path.exists(os.path.join(run, "metrics", "summary-rank0.json")):
-        print(f"GRPO {steps} steps, data.selector.name={selector}, seed {seed}", flush=True)
+        print(f"GRPO {steps} steps, selector {selector}, seed {seed}", flush=True)
         launch([f"run.output_dir={run}", "run.resume=never", f"seed={seed}",
                 f"model.path={export_of(base)}", "model.tiny=null", "data.arithmetic=null",
                 f"data.train_path={train}", f"data.eval_path={base}/data/eval.jsonl",
-                f"monitor.eval_interval={eval_every}", f"data.selector.name={selector}",
+                f"monitor.eval_interval={eval_every}", *selector_overrides(selector),
                 f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, "
                 f"trainer: {{max_steps: {steps}}}}}]"], run + ".log")
     with open(os.path.join(run, "metrics", "eval.jsonl")) as f:
@@ -128,7 +139,8 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy", "sparse"], default="quickstart")
-    parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"])
+    parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"],
+                        help="names, or name:key=value,... with data.selector options")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")
     parser.add_argument("--sft-steps", type=int, default=SFT_STEPS,

@@ -21,6 +21,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 
 CURRICULUM_PACINGS = ("linear", "root", "step")  # data.selector.pacing (rft/data/selectors.py)
+DIFFICULTY_WEIGHTINGS = ("gaussian", "variance")  # data.selector.weighting (rft/data/selectors.py)
 
 
 @dataclass
@@ -33,8 +34,9 @@ class SelectorConfig:
     pace_steps: int = 50  # curriculum: batches after which every task is open
     pacing: str = "linear"  # curriculum: linear | root (opens fast, then slower) | step (halfway, then all)
     revisit: float = 0.5  # difficulty: share of each batch that goes back to tasks drawn before (the rest: new tasks)
-    target: float = 0.5  # difficulty: the pass rate preferred most (GRPO learns most near 0.5)
-    width: float = 0.2  # difficulty: how fast preference falls away from target (a Gaussian's sd)
+    weighting: str = "gaussian"  # difficulty: gaussian (near target, by width) | variance (4 p (1 - p), 0 only at p = 0 and 1)
+    target: float = 0.5  # difficulty, gaussian: the pass rate preferred most (GRPO learns most near 0.5)
+    width: float = 0.2  # difficulty, gaussian: how fast preference falls away from target (a Gaussian's sd)
     floor: float = 0.02  # difficulty: weight left to tasks always or never solved
     prior_samples: float = 2.0  # difficulty: a task's pass rate starts at the run's, worth this many samples
     success_reward: float = 1.0  # difficulty: a sample with reward >= this counts as solved
@@ -113,6 +115,8 @@ def check_selector(prefix: str, selector: SelectorConfig, rollouts: bool) -> Non
                      "has none of (SFT, DPO): use shuffle, sequential or curriculum")
     if selector.pacing not in CURRICULUM_PACINGS:
         config_error(f"{key}.pacing", selector.pacing, f"choose one of {CURRICULUM_PACINGS}")
+    if selector.weighting not in DIFFICULTY_WEIGHTINGS:
+        config_error(f"{key}.weighting", selector.weighting, f"choose one of {DIFFICULTY_WEIGHTINGS}")
     for name, value, low, high in (("start_fraction", selector.start_fraction, 0.0, 1.0),
                                    ("revisit", selector.revisit, 0.0, 1.0),
                                    ("target", selector.target, 0.0, 1.0), ("floor", selector.floor, 0.0, 1.0)):

@@ -20,9 +20,10 @@ Built-ins:
     curriculum  easy to hard by a difficulty column: batches come from the easiest share of the
                 tasks, a share that grows from start_fraction to all by pace_steps batches
     difficulty  online: part of each batch (`revisit`) goes back to tasks whose observed pass rate
-                is near `target` (GRPO's advantages are zero for a group that is all right or all
-                wrong); tasks always or never solved keep a small weight (`floor`), so they come
-                back rarely; the rest of the batch meets new tasks
+                is informative (`weighting`: near `target`, or by the reward variance p (1 - p);
+                GRPO's advantages are zero for a group that is all right or all wrong); tasks
+                always or never solved keep a small weight (`floor`), so they come back rarely;
+                the rest of the batch meets new tasks
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class Difficulty:
 
     Each batch has two parts. New tasks, a `1 - revisit` share, come in a seeded shuffled order,
     each once, like `shuffle`'s first epoch. The other share revisits tasks drawn before, without
-    replacement and in proportion to a weight: floor + (1 - floor) exp(-(p - target)^2 / 2 width^2)
-    of the task's pass rate p, so tasks near the target come back and tasks always solved or never
-    solved rarely do. Once every task was drawn, whole batches are drawn by weight.
+    replacement and in proportion to a weight of the task's pass rate p: floor + (1 - floor) w(p),
+    w = exp(-(p - target)^2 / 2 width^2) (weighting=gaussian) or 4 p (1 - p) (weighting=variance),
+    so tasks near the target come back and tasks always solved or never solved rarely do. Once every task was drawn, whole batches are drawn by weight.
 
     Why two parts rather than one weighted draw over the whole taskset: within an epoch almost
     every task is unseen, and unseen tasks outnumber the informative ones so far that even a small
@@ -178,9 +179,15 @@ class Difficulty:
         return np.where(self.tried + m > 0, rates, overall)
 
     def weights(self) -> np.ndarray:
-        cfg = self.config
-        near = np.exp(-((self.pass_rates() - cfg.target) ** 2) / (2 * cfg.width ** 2))
-        return cfg.floor + (1.0 - cfg.floor) * near
+        cfg, rates = self.config, self.pass_rates()
+        if cfg.weighting == "variance":
+            # the reward variance of the task's group, which GRPO's advantages scale with: it is 0
+            # only for tasks always or never solved, so a task solved once in 8 (informative) keeps
+            # 0.44 where a Gaussian of width 0.2 about 0.5 would give it 0.17 and a never-solved one 0.04
+            informative = 4.0 * rates * (1.0 - rates)
+        else:
+            informative = np.exp(-((rates - cfg.target) ** 2) / (2 * cfg.width ** 2))
+        return cfg.floor + (1.0 - cfg.floor) * informative
 
     def next_batch(self, n: int) -> list[Task]:
         if n <= 0:

@@ -90,6 +90,23 @@ def test_difficulty_prefers_tasks_it_sees_solved_sometimes():
     assert stats["selector/always_solved"] == pytest.approx(1 / 3) and stats["selector/never_solved"] == pytest.approx(1 / 3)
 
 
+def test_variance_weighting_keeps_a_task_solved_once_in_eight_and_drops_one_never_solved():
+    """weighting=variance: floor + (1 - floor) 4 p (1 - p). Task 0 solved 1 time in 8, task 1
+    never, task 2 always (no prior: prior_samples=0); the Gaussian would weigh task 0 only 3x
+    task 1, the variance weighting weighs it 22x."""
+    config = SelectorConfig(name="difficulty", weighting="variance", prior_samples=0.0, floor=0.02)
+    selector = build_selector(tasks(3), 0, config)
+    for task, solved in ((0, 1), (1, 0), (2, 8)):
+        selector.observe([str(task)] * 8, [1.0] * solved + [0.0] * (8 - solved))
+    w = selector.weights()
+    assert w[0] == pytest.approx(0.02 + 0.98 * 4 * (1 / 8) * (7 / 8))
+    assert w[1] == w[2] == pytest.approx(0.02)
+    gaussian = build_selector(tasks(3), 0, SelectorConfig(name="difficulty", prior_samples=0.0, floor=0.02))
+    gaussian.load_state_dict(selector.state_dict())
+    g = gaussian.weights()
+    assert g[0] / g[1] < 5 < w[0] / w[1]
+
+
 def test_difficulty_splits_each_batch_into_new_tasks_and_revisits_of_informative_ones():
     selector = build_selector(tasks(100), 0, SelectorConfig(name="difficulty", revisit=0.5))
     first = ids(selector.next_batch(10))  # nothing drawn yet: all new
@@ -154,3 +171,5 @@ def test_validation_names_bad_selector_settings():
         check_selector("stages[sft].", SelectorConfig(name="difficulty"), rollouts=False)
     with pytest.raises(ValueError, match="data.selector.target"):
         check_selector("", SelectorConfig(name="difficulty", target=1.5), rollouts=True)
+    with pytest.raises(ValueError, match=r"data.selector.weighting='std' is invalid: choose one of \('gaussian', 'variance'\)"):
+        check_selector("", SelectorConfig(name="difficulty", weighting="std"), rollouts=True)

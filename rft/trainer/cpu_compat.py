@@ -9,7 +9,7 @@ megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/
 Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives) runs on
 CPU as is. This module redirects exactly those calls to their CPU equivalents. It is applied only
 when CUDA is absent and is the one place such redirects live. Megatron's pipeline schedules, DDP
-and optimizer still need CUDA, so the trainer uses its own GPipe loop (rft/trainer/pipeline.py)
+and optimizer still need CUDA, so the trainer uses its own 1F1B loop (rft/trainer/pipeline.py)
 and torch AdamW.
 """
 

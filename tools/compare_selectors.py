@@ -21,7 +21,10 @@ GSM8K); `small`, its first SMALL problems, so that 100 steps are 8 epochs and a 
 among tasks it has all seen (the regime of many epochs over a fixed taskset); `noisy`, every
 other problem's answer made wrong (noisy labels: tasks no policy solves, whose groups teach
 nothing); `sparse`, its first SPARSE problems with four in five answers made wrong, so that one
-group in ten has a reward spread under shuffle. All evaluate on the quickstart's held-out set.
+group in ten has a reward spread under shuffle; `sources`, all 5000 problems with the same four
+in five made wrong and a `source` column naming which (clean, broken), as when one source of a mixed
+dataset has broken labels: `difficulty:group_key=source` can learn which source teaches. All
+evaluate on the quickstart's held-out set.
 """
 
 from __future__ import annotations
@@ -84,6 +87,9 @@ def taskset(root: str, base: str, name: str) -> str:
     elif name == "sparse":  # four in five answers wrong: few tasks teach anything
         kept = [r if i % SPARSE_EVERY == 0 else dict(r, answer=str(int(r["answer"]) + 7))
                 for i, r in enumerate(rows[:SPARSE])]
+    elif name == "sources":  # two sources, one with broken answers, named in a column
+        kept = [dict(r, source="clean") if i % SPARSE_EVERY == 0
+                else dict(r, answer=str(int(r["answer"]) + 7), source="broken") for i, r in enumerate(rows)]
     elif name == "noisy":  # every other row's answer is wrong: a task no policy can solve
         kept = [dict(r, answer=str(int(r["answer"]) + 7)) if i % 2 else r for i, r in enumerate(rows)]
     else:
@@ -138,7 +144,7 @@ def first_reaching(curve: dict[int, float], target: float) -> int | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy", "sparse"], default="quickstart")
+    parser.add_argument("--taskset", choices=["quickstart", "easy_heavy", "small", "noisy", "sparse", "sources"], default="quickstart")
     parser.add_argument("--selectors", nargs="+", default=["shuffle", "difficulty"],
                         help="names, or name:key=value,... with data.selector options")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])

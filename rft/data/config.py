@@ -16,7 +16,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,6 +39,7 @@ class SelectorConfig:
     width: float = 0.2  # difficulty, gaussian: how fast preference falls away from target (a Gaussian's sd)
     floor: float = 0.02  # difficulty: weight left to tasks always or never solved
     prior_samples: float = 2.0  # difficulty: a task's pass rate starts at the run's, worth this many samples
+    group_key: Optional[str] = None  # difficulty: a column grouping tasks (e.g. their source); new tasks come from groups by their pooled pass rate's weight
     success_reward: float = 1.0  # difficulty: a sample with reward >= this counts as solved
     args: dict[str, Any] = field(default_factory=dict)  # a user selector's options (its config.args)
 

@@ -23,7 +23,8 @@ Built-ins:
                 is informative (`weighting`: near `target`, or by the reward variance p (1 - p);
                 GRPO's advantages are zero for a group that is all right or all wrong); tasks
                 always or never solved keep a small weight (`floor`), so they come back rarely;
-                the rest of the batch meets new tasks
+                the rest of the batch meets new tasks (with `group_key`, drawn from the groups,
+                e.g. sources, whose pooled pass rate weighs most)
 """
 
 from __future__ import annotations
@@ -139,6 +140,23 @@ class Curriculum:
         self.batches = int(state["batches"])
 
 
+_GROUPS_LOGGED = 16  # with group_key, each group's share of a batch's new tasks goes to TensorBoard up to this many groups
+
+
+def _groups(tasks: list[Task], key: str | None) -> tuple[list[str], np.ndarray | None]:
+    """The group names (sorted) and each task's group index, by the column `key` (None: no groups)."""
+    if not key:
+        return [], None
+    labels = [str(task.row.get(key)) for task in tasks]
+    if all(task.row.get(key) is None for task in tasks):
+        raise ValueError(f"data.selector.group_key={key!r} names a column no task has; name the column that "
+                         f"groups tasks (e.g. their source), or leave it unset (the first row has: "
+                         f"{', '.join(sorted(map(str, tasks[0].row))[:12])})")
+    names = sorted(set(labels))
+    index = {name: i for i, name in enumerate(names)}
+    return names, np.array([index[label] for label in labels], dtype=np.int64)
+
+
 @SELECTORS.register("difficulty", needs_rewards=True)
 class Difficulty:
     """Revisit tasks whose pass rate is informative; meet the rest of the taskset meanwhile.
@@ -156,6 +174,11 @@ class Difficulty:
     run's 0.84). p is smoothed, (solved + m g) / (tried + m), where
     g is the pass rate of every sample so far and m = prior_samples, so one lucky group does not
     make a task look ideal.
+
+    With `group_key` (a column such as the task's source) new tasks are not taken blindly in the
+    seeded order: each comes from a group drawn by the weight of the group's pooled pass rate, so a
+    source whose tasks are never solved (broken labels) or always solved stops taking new-task
+    slots once its first tasks were seen, while every draw is still a task not met before.
     """
 
     def __init__(self, tasks: list[Task], seed: int, config: SelectorConfig):
@@ -164,22 +187,24 @@ class Difficulty:
         self.tasks, self.seed, self.config = list(tasks), int(seed), config
         self.position = {t.task_id: i for i, t in enumerate(tasks)}
         self.order = np.random.default_rng(self.seed).permutation(len(tasks))  # new tasks come in this order
-        self.drawn = 0  # order[:drawn] were drawn as new tasks
+        self.met = np.zeros(len(tasks), dtype=bool)  # drawn as a new task already
+        self.drawn = 0  # tasks met
         self.solved = np.zeros(len(tasks))
         self.tried = np.zeros(len(tasks))
+        self.group_names, self.group_of = _groups(tasks, config.group_key)
         self.batches = 0
-        self.last = {"expected": 0.0, "revisited": 0.0}
+        self.last: dict[str, float] = {"expected": 0.0, "revisited": 0.0}
 
-    def pass_rates(self) -> np.ndarray:
-        cfg, tried = self.config, self.tried.sum()
-        overall = self.solved.sum() / tried if tried else cfg.target
+    def _smoothed(self, solved: np.ndarray, tried: np.ndarray) -> np.ndarray:
+        cfg, total = self.config, self.tried.sum()
+        overall = self.solved.sum() / total if total else cfg.target
         m = cfg.prior_samples
         with np.errstate(invalid="ignore", divide="ignore"):
-            rates = (self.solved + m * overall) / (self.tried + m)
-        return np.where(self.tried + m > 0, rates, overall)
+            rates = (solved + m * overall) / (tried + m)
+        return np.where(tried + m > 0, rates, overall)
 
-    def weights(self) -> np.ndarray:
-        cfg, rates = self.config, self.pass_rates()
+    def _weight(self, rates: np.ndarray) -> np.ndarray:
+        cfg = self.config
         if cfg.weighting == "variance":
             # the reward variance of the task's group, which GRPO's advantages scale with: it is 0
             # only for tasks always or never solved, so a task solved once in 8 (informative) keeps
@@ -189,13 +214,42 @@ class Difficulty:
             informative = np.exp(-((rates - cfg.target) ** 2) / (2 * cfg.width ** 2))
         return cfg.floor + (1.0 - cfg.floor) * informative
 
+    def pass_rates(self) -> np.ndarray:
+        return self._smoothed(self.solved, self.tried)
+
+    def weights(self) -> np.ndarray:
+        return self._weight(self.pass_rates())
+
+    def group_weights(self) -> np.ndarray:
+        """The weight of each group's pooled pass rate (group_key set)."""
+        count = len(self.group_names)
+        solved = np.bincount(self.group_of, weights=self.solved, minlength=count)
+        tried = np.bincount(self.group_of, weights=self.tried, minlength=count)
+        return self._weight(self._smoothed(solved, tried))
+
+    def _new_tasks(self, k: int, rng: np.random.Generator) -> np.ndarray:
+        """The next k tasks not met yet, in the seeded order; with group_key, each comes from a
+        group drawn in proportion to its weight (a source whose tasks are never solved, or always,
+        gives few), taking that group's next task in the order."""
+        unseen = self.order[~self.met[self.order]]
+        if self.group_of is None or k <= 0:
+            return unseen[:max(k, 0)]
+        queues = [list(unseen[self.group_of[unseen] == g]) for g in range(len(self.group_names))]
+        weights = self.group_weights()
+        picked = []
+        for _ in range(min(k, unseen.size)):
+            live = weights * np.array([len(q) > 0 for q in queues])
+            picked.append(queues[rng.choice(len(queues), p=live / live.sum())].pop(0))
+        return np.asarray(picked, dtype=np.int64)
+
     def next_batch(self, n: int) -> list[Task]:
         if n <= 0:
             raise ValueError(f"batch size must be positive, got {n}")
         rng = np.random.default_rng([self.seed, self.batches])
-        before = self.order[: self.drawn]  # the tasks a revisit may choose
+        before = self.order[self.met[self.order]]  # the tasks a revisit may choose, in the seeded order
         revisits = min(round(n * self.config.revisit), before.size)
-        new = self.order[self.drawn: self.drawn + n - revisits]
+        new = self._new_tasks(n - revisits, rng)
+        self.met[new] = True
         self.drawn += new.size
         revisits = n - new.size  # every task drawn: the rest by weight too
         chosen = new
@@ -208,6 +262,9 @@ class Difficulty:
             chosen = np.concatenate([new, again])
         self.batches += 1
         self.last = {"expected": float(self.pass_rates()[chosen].mean()), "revisited": revisits / n}
+        if self.group_of is not None and len(self.group_names) <= _GROUPS_LOGGED:
+            shares = np.bincount(self.group_of[new], minlength=len(self.group_names)) / max(new.size, 1)
+            self.last.update({f"new_from/{name}": float(v) for name, v in zip(self.group_names, shares)})
         return [self.tasks[i] for i in chosen]
 
     def observe(self, task_ids: Sequence[str], rewards: Sequence[float]) -> None:
@@ -229,14 +286,19 @@ class Difficulty:
                 "selector/always_solved": float((rate == 1).mean()),
                 "selector/never_solved": float((rate == 0).mean()),
                 "selector/batch_expected_pass_rate": self.last["expected"],
-                "selector/revisited": self.last["revisited"]}
+                "selector/revisited": self.last["revisited"],
+                **{f"selector/{k}": v for k, v in self.last.items() if k.startswith("new_from/")}}
 
     def state_dict(self) -> dict:
         return {"solved": self.solved.tolist(), "tried": self.tried.tolist(), "batches": self.batches,
-                "drawn": self.drawn, "num_tasks": len(self.tasks), "seed": self.seed}
+                "drawn": self.drawn, "met": np.flatnonzero(self.met).tolist(), "num_tasks": len(self.tasks),
+                "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         _check_size(state, len(self.tasks), self.seed, "difficulty")
         self.solved = np.asarray(state["solved"], dtype=float)
         self.tried = np.asarray(state["tried"], dtype=float)
         self.batches, self.drawn = int(state["batches"]), int(state["drawn"])
+        self.met[:] = False
+        # checkpoints from before group_key met tasks in the seeded order alone: order[:drawn]
+        self.met[np.asarray(state["met"], dtype=np.int64) if "met" in state else self.order[: self.drawn]] = True

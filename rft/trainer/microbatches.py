@@ -14,11 +14,16 @@ budget gets a microbatch of its own.
 from __future__ import annotations
 
 
-def mini_batches(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> list[list[int]]:
-    """This DP rank's rows of each optimizer step: the batch's rows in order, `mini_batch_size` per
-    step (0: all), each step's rows dealt over the DP ranks."""
+def mini_batch_rows(num_rows: int, mini_batch_size: int) -> list[range]:
+    """The rows of each optimizer step, over all DP ranks: the batch's rows in order,
+    `mini_batch_size` per step (0: all)."""
     size = mini_batch_size or num_rows
-    return [list(range(s, min(s + size, num_rows)))[dp_rank::dp_size] for s in range(0, num_rows, size)]
+    return [range(s, min(s + size, num_rows)) for s in range(0, num_rows, size)]
+
+
+def mini_batches(num_rows: int, mini_batch_size: int, dp_rank: int, dp_size: int) -> list[list[int]]:
+    """This DP rank's rows of each optimizer step (mini_batch_rows), dealt over the DP ranks."""
+    return [list(rows)[dp_rank::dp_size] for rows in mini_batch_rows(num_rows, mini_batch_size)]
 
 
 def microbatches(rows: list[int], lengths: list[int], micro_batch_size: int, max_tokens: int) -> list[list[int]]:

@@ -107,6 +107,41 @@ def test_variance_weighting_keeps_a_task_solved_once_in_eight_and_drops_one_neve
     assert g[0] / g[1] < 5 < w[0] / w[1]
 
 
+def test_group_key_draws_new_tasks_from_the_source_whose_tasks_teach_and_resumes_the_same():
+    """Tasks 0-49 come from a source whose answers are broken (never solved), 50-99 from one solved
+    half the time. With group_key=source and no revisits, the first batch is drawn before anything
+    is known, both sources alike; after it, nearly every new task comes from the good source."""
+    pool = [Task(index=i, prompt=f"q{i}", answer="", row={"source": "broken" if i < 50 else "good"})
+            for i in range(100)]
+    config = SelectorConfig(name="difficulty", group_key="source", revisit=0.0, weighting="variance", prior_samples=0.0)
+    selector = build_selector(pool, 0, config)
+
+    def run(selector, batches):
+        drawn = []
+        for _ in range(batches):
+            batch = ids(selector.next_batch(8))
+            for i in batch:
+                selector.observe([str(i)] * 4, [0.0] * 4 if i < 50 else [1.0, 0.0, 1.0, 0.0])
+            drawn.append(batch)
+        return drawn
+
+    first = run(selector, 1)[0]
+    assert 2 <= sum(i < 50 for i in first) <= 6  # nothing known yet: both sources alike
+    saved = selector.state_dict()
+    later = run(selector, 5)
+    assert sum(i >= 50 for batch in later for i in batch) >= 38  # of 40
+    assert len({i for batch in [first, *later] for i in batch}) == 48  # every one a new task
+    assert selector.scalars()["selector/new_from/good"] >= 0.875
+    resumed = build_selector(pool, 0, config)
+    resumed.load_state_dict(saved)
+    assert run(resumed, 5) == later
+
+
+def test_group_key_naming_no_column_says_which_columns_there_are():
+    with pytest.raises(ValueError, match=r"group_key='source' names a column no task has.*difficulty"):
+        build_selector(tasks(5), 0, SelectorConfig(name="difficulty", group_key="source"))
+
+
 def test_difficulty_splits_each_batch_into_new_tasks_and_revisits_of_informative_ones():
     selector = build_selector(tasks(100), 0, SelectorConfig(name="difficulty", revisit=0.5))
     first = ids(selector.next_batch(10))  # nothing drawn yet: all new

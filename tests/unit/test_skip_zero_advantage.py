@@ -2,7 +2,7 @@
 rows whose advantages are all 0 (groups whose samples scored alike) are left out of the forward,
 and the update is the full batch's: the same gradients, the same policy loss, padded and packed,
 over PPO epochs and mini-batches; a loss term that does reach those rows (an entropy bonus)
-keeps them in."""
+keeps them in; a mini-batch with no row left takes no optimizer step."""
 
 import pytest
 import torch
@@ -18,6 +18,8 @@ CASES = {  # name: (algorithm overrides, token budget, rewards)
     "epochs": ({"ppo_epochs": 2, "mini_batch_size": 3}, 0, REWARDS),
     "entropy": ({"entropy_coef": 0.01}, 0, REWARDS),
     "all_alike": ({}, 0, [1.0] * 6),  # no row left to forward
+    # mini-batches of rows 0-2 and 3-5: groups 0 and 1 scored alike, so the first has no row to train
+    "idle_mini_batch": ({"ppo_epochs": 2, "mini_batch_size": 3}, 0, [1.0, 1.0, 0.0, 0.0, 1.0, 0.0]),
 }
 
 
@@ -83,10 +85,15 @@ def test_rows_of_zero_advantage_are_skipped_and_the_update_is_the_same(run, case
     assert "train/rows_skipped" not in full
     assert skipping["train/rows_skipped"] == 4
     assert skipping["train/tokens"] == full["train/tokens"]  # the batch's, skipped rows included
-    assert skipping["train/optimizer_steps"] == full["train/optimizer_steps"] == len(steps) == len(full_steps)
+    assert full["train/optimizer_steps"] == len(full_steps) == len(steps) + skipping["train/steps_without_gradient"]
+    assert skipping["train/optimizer_steps"] == len(steps)
     assert sum(forwards) < sum(full_forwards)  # fewer positions went through the model
     assert skipping["loss/policy"] == pytest.approx(full["loss/policy"], abs=1e-7)
-    for grads, full_grads in zip(steps, full_steps):
+    # the full run's steps with a gradient (a mini-batch of rows scored alike has none, and the
+    # skipping run takes no step for it)
+    trained = [step for step in full_steps if any(g.any() for g in step.values())]
+    assert len(trained) == len(steps)
+    for grads, full_grads in zip(steps, trained):
         for name, grad in full_grads.items():
             torch.testing.assert_close(grads[name], grad, atol=1e-7, rtol=1e-5, msg=name)
     assert any(g.abs().sum() > 0 for g in steps[0].values())
@@ -101,10 +108,23 @@ def test_a_loss_term_on_every_row_keeps_them_all(run):
         torch.testing.assert_close(steps[0][name], grad, atol=0, rtol=0, msg=name)
 
 
-def test_a_batch_without_a_row_to_train_still_steps_and_reports_no_entropy(run):
+def test_a_batch_without_a_row_to_train_takes_no_optimizer_step(run):
+    """Every row's gradient is 0: the full batch's step would only move Adam's stale momentum, so
+    with the skip there is no step at all (the run without it keeps its zero-gradient step)."""
     (full, full_steps, _), (skipping, steps, forwards) = run["all_alike", False], run["all_alike", True]
     assert skipping["train/rows_skipped"] == 6 and forwards == []
-    assert len(steps) == 1  # the optimizer still steps: Adam's moments move on zero gradients too
-    assert all(not g.any() for g in steps[0].values()) and all(not g.any() for g in full_steps[0].values())
+    assert steps == [] and skipping["train/optimizer_steps"] == 0 and skipping["train/steps_without_gradient"] == 1
+    assert len(full_steps) == 1 and all(not g.any() for g in full_steps[0].values())
     assert "actor/entropy" not in skipping and "actor/entropy" in full  # not a misleading 0
     assert skipping["loss/policy"] == full["loss/policy"] == 0
+
+
+def test_only_the_mini_batches_without_a_row_to_train_are_left_out(run):
+    (full, full_steps, _), (skipping, steps, _) = run["idle_mini_batch", False], run["idle_mini_batch", True]
+    assert len(full_steps) == 4 and len(steps) == 2  # 2 epochs x 2 mini-batches; the first of each idle
+    assert skipping["train/steps_without_gradient"] == 2 and skipping["train/optimizer_steps"] == 2
+    assert all(not g.any() for g in full_steps[0].values()) and all(not g.any() for g in full_steps[2].values())
+    for mine, theirs in ((steps[0], full_steps[1]), (steps[1], full_steps[3])):
+        assert any(g.any() for g in theirs.values())
+        for name, grad in theirs.items():
+            torch.testing.assert_close(mine[name], grad, atol=1e-7, rtol=1e-6, msg=name)

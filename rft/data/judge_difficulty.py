@@ -55,7 +55,8 @@ class DifficultyScores:
 
     def scalars(self) -> dict[str, float]:
         values = np.fromiter(self.scores.values(), dtype=float)
-        return {"data/judge_difficulty_tasks": float(values.size), "data/judge_difficulty_mean": float(values.mean()),
+        return {"data/judge_difficulty_tasks": float(values.size),
+                "data/judge_difficulty_mean": float(values.mean()) if values.size else 0.0,
                 "data/judge_difficulty_unparsed": float(self.unparsed), "data/judge_difficulty_failed": float(self.failed)}
 
 
@@ -86,8 +87,10 @@ async def ask_judges(tasks: list[Task], cfg: JudgeDifficultyConfig, judges) -> D
     `cfg.concurrency` in flight; greedy, so the same judge gives the same score."""
     slots = asyncio.Semaphore(cfg.concurrency)
     ask = judges.chat if cfg.chat else judges.complete
+    answered, every = 0, max(1, len(tasks) // 10)  # a progress line per tenth of the taskset
 
     async def one(task: Task) -> str | BaseException:
+        nonlocal answered
         text = cfg.prompt.format(prompt=task.prompt or "", answer=task.answer or "")
         request = [{"role": "user", "content": text}] if cfg.chat else text
         async with slots:
@@ -95,6 +98,10 @@ async def ask_judges(tasks: list[Task], cfg: JudgeDifficultyConfig, judges) -> D
                 return await ask(request, max_new_tokens=cfg.max_new_tokens, temperature=0.0)
             except Exception as err:  # JudgeError, JudgeTimeout: the task gets the median, counted
                 return err
+            finally:
+                answered += 1
+                if answered % every == 0 and answered < len(tasks):
+                    print(f"data.judge_difficulty: {answered}/{len(tasks)} tasks answered", flush=True)
 
     replies = await asyncio.gather(*(one(t) for t in tasks))
     numbers = [None if isinstance(r, BaseException) else first_number(r) for r in replies]
@@ -124,7 +131,11 @@ def write_scores(path: str, result: DifficultyScores) -> None:
 def read_scores(path: str, tasks: list[Task]) -> DifficultyScores:
     """The scores a first attempt (or engine 0) wrote; a file of another taskset is refused."""
     with open(path) as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        try:
+            rows = [json.loads(line) for line in f if line.strip()]
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not a file of difficulty scores ({err}); delete it to ask the judges "
+                             "again") from None
     summary = rows[0].get("summary", {}) if rows else {}
     scores = {row["id"]: float(row["score"]) for row in rows[1:]}
     replies = {row["id"]: row.get("reply", "") for row in rows[1:]}

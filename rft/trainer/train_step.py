@@ -269,25 +269,25 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     # optimizer step for it. Adam would still move the weights along its stale momentum: 40 such
     # steps in a row (a source of broken tasks) took held-out accuracy from 86.5% to 62%
     idle = [all(i in skipped for i in rows) for rows in mini_batch_rows(len(batch.prompt_ids), algo.mini_batch_size)]
-    done, without_gradient = [], 0
+    done, stepped = [], []  # every mini-batch's scalars; those of the optimizer steps taken
     for _epoch in range(algo.ppo_epochs):
         for all_rows, step_chunks, step_mb, nothing in zip(step_rows, steps, step_mbs, idle):
             if nothing:  # its scalars are those of the zero-gradient step it would have been
-                without_gradient += 1
                 done.append({"loss/policy": 0.0, "loss/kl": 0.0, "actor/grad_norm": 0.0, "actor/step_skipped": 0.0})
                 continue
-            done.append(_optimizer_step(model, optimizer, batch, algo, step_chunks, step_mb, fixed, norm_len,
-                                        critic, all_rows, bool(skipped)))
+            stepped.append(_optimizer_step(model, optimizer, batch, algo, step_chunks, step_mb, fixed, norm_len,
+                                           critic, all_rows, bool(skipped)))
+            done.append(stepped[-1])
     if per_optimizer_step is not None:
-        per_optimizer_step.extend(done)
+        per_optimizer_step.extend(stepped)
     # each scalar's mean over the optimizer steps that have it (a step that trained no row has no entropy)
     metrics = {k: statistics.fmean(d[k] for d in done if k in d) for k in dict.fromkeys(k for d in done for k in d)}
     metrics["actor/step_skipped"] = sum(d["actor/step_skipped"] for d in done)
     metrics["train/tokens"] = _global_counts(batch, rows, dp_group, dp_size)[0]  # the batch's, once
-    metrics["train/optimizer_steps"] = float(len(done) - without_gradient)
+    metrics["train/optimizer_steps"] = float(len(stepped))
     if early is not None:
         metrics["train/rows_skipped"] = float(len(skipped))  # the batch's (every rank computes the same set)
-        metrics["train/steps_without_gradient"] = float(without_gradient)
+        metrics["train/steps_without_gradient"] = float(len(done) - len(stepped))
     return metrics
 
 

@@ -62,10 +62,13 @@ def _tasks() -> list[Task]:
 SETTINGS = JudgeDifficultyConfig(enabled=True, prompt="{prompt}", chat=False)
 
 
-def test_the_judges_numbers_fill_the_column_and_a_resume_reads_them_without_asking(judges, tmp_path):
+def test_the_judges_numbers_fill_the_column_and_a_resume_reads_them_without_asking(judges, tmp_path, capsys):
     tasks, path = _tasks(), scores_path(str(tmp_path), "grpo", "/data/train.jsonl")
     result = score_tasks(tasks, SETTINGS, path, lambda: asyncio.run(ask_judges(tasks, SETTINGS, judges)), 5.0)
     assert path == str(tmp_path / "data" / "grpo" / "train.difficulty.jsonl")
+    out = capsys.readouterr().out
+    assert "asking the judges how hard each of 5 tasks is" in out and "1/5 tasks answered" in out
+    assert "5 tasks scored in" in out and "1 replies without a number, 1 failed calls" in out
     median = 7.0  # of the numbers found: 7, 1, 9.5
     assert [t.row["difficulty"] for t in tasks] == [7.0, 1.0, 9.5, median, median]
     assert (result.unparsed, result.failed) == (1, 1)  # "easy!" has no number; "9+9=" failed
@@ -91,6 +94,9 @@ def test_a_file_of_another_taskset_is_refused_and_an_engine_without_the_file_wai
         score_tasks(other, SETTINGS, path, None, 5.0)
     with pytest.raises(RuntimeError, match="did not appear within 0.2s .*engine 0 asks the judges"):
         score_tasks(other, SETTINGS, str(tmp_path / "none.jsonl"), None, 0.2)
+    (tmp_path / "edited.jsonl").write_text('{"summary": {}}\n{"id": "9", "score": 1\n')
+    with pytest.raises(ValueError, match="edited.jsonl is not a file of difficulty scores .*delete it"):
+        score_tasks(other, SETTINGS, str(tmp_path / "edited.jsonl"), None, 5.0)
 
 
 def test_a_judge_that_never_answers_a_number_is_an_error_naming_the_settings(judges):

@@ -66,8 +66,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             optimizer = EveryStepOptimizer(model)
             forwards = []
             handle = model.register_forward_hook(lambda _m, _a, out: forwards.append(out.shape[1]))
+            logged: list[dict] = []  # the per-optimizer-step scalars the trainer logs
             metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget,
-                                 skip_zero_advantage=skip)
+                                 skip_zero_advantage=skip, per_optimizer_step=logged)
+            metrics["steps_logged"] = len(logged)
             handle.remove()
             res[name, skip] = (metrics, optimizer.steps, forwards)
     torch.save(res, out)
@@ -123,6 +125,8 @@ def test_only_the_mini_batches_without_a_row_to_train_are_left_out(run):
     (full, full_steps, _), (skipping, steps, _) = run["idle_mini_batch", False], run["idle_mini_batch", True]
     assert len(full_steps) == 4 and len(steps) == 2  # 2 epochs x 2 mini-batches; the first of each idle
     assert skipping["train/steps_without_gradient"] == 2 and skipping["train/optimizer_steps"] == 2
+    assert skipping["steps_logged"] == 2 and full["steps_logged"] == 4  # a step not taken is not logged as one
+    assert skipping["loss/policy"] == pytest.approx(full["loss/policy"], abs=1e-7)  # means over the mini-batches
     assert all(not g.any() for g in full_steps[0].values()) and all(not g.any() for g in full_steps[2].values())
     for mine, theirs in ((steps[0], full_steps[1]), (steps[1], full_steps[3])):
         assert any(g.any() for g in theirs.values())

@@ -165,7 +165,8 @@ class Difficulty:
     each once, like `shuffle`'s first epoch. The other share revisits tasks drawn before, without
     replacement and in proportion to a weight of the task's pass rate p: floor + (1 - floor) w(p),
     w = exp(-(p - target)^2 / 2 width^2) (weighting=gaussian) or 4 p (1 - p) (weighting=variance),
-    so tasks near the target come back and tasks always solved or never solved rarely do. Once every task was drawn, whole batches are drawn by weight.
+    so tasks near the target come back and tasks always solved or never solved rarely do. Once
+    every task was drawn, whole batches are drawn by weight.
 
     Why two parts rather than one weighted draw over the whole taskset: within an epoch almost
     every task is unseen, and unseen tasks outnumber the informative ones so far that even a small
@@ -234,12 +235,16 @@ class Difficulty:
         unseen = self.order[~self.met[self.order]]
         if self.group_of is None or k <= 0:
             return unseen[:max(k, 0)]
-        queues = [list(unseen[self.group_of[unseen] == g]) for g in range(len(self.group_names))]
+        queues = [unseen[self.group_of[unseen] == g] for g in range(len(self.group_names))]
+        sizes = np.array([q.size for q in queues])
+        taken = np.zeros(len(queues), dtype=np.int64)  # each group's queue is taken from its front
         weights = self.group_weights()
         picked = []
         for _ in range(min(k, unseen.size)):
-            live = weights * np.array([len(q) > 0 for q in queues])
-            picked.append(queues[rng.choice(len(queues), p=live / live.sum())].pop(0))
+            live = weights * (taken < sizes)
+            group = rng.choice(len(queues), p=live / live.sum())
+            picked.append(queues[group][taken[group]])
+            taken[group] += 1
         return np.asarray(picked, dtype=np.int64)
 
     def next_batch(self, n: int) -> list[Task]:

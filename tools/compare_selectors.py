@@ -40,7 +40,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SFT_STEPS = 2000  # the quickstart's warm-up (conf/experiment/quickstart.yaml)
 EASY_HEAVY_HARD = 300  # problems with carries kept in the easy_heavy taskset (~1500 have none)
 SMALL = 400  # problems in the small taskset
-SPARSE, SPARSE_EVERY = 1000, 5  # the sparse taskset: 1000 problems, every fifth with its true answer
+SPARSE = 1000  # problems in the sparse taskset
+CLEAN_EVERY = 5  # sparse, sources: every fifth problem keeps its true answer
 
 
 def launch(overrides: list[str], log: str) -> None:
@@ -74,6 +75,11 @@ def export_of(base: str) -> str:
     return max(glob.glob(os.path.join(base, "checkpoints", "hf", "v*")))
 
 
+def _broken(row: dict) -> dict:
+    """The row with a wrong answer: a task no policy solves."""
+    return dict(row, answer=str(int(row["answer"]) + 7))
+
+
 def taskset(root: str, base: str, name: str) -> str:
     """The training file of taskset `name` (see the module's docstring)."""
     source = os.path.join(base, "data", "train.jsonl")
@@ -85,13 +91,12 @@ def taskset(root: str, base: str, name: str) -> str:
     if name == "small":
         kept = rows[:SMALL]
     elif name == "sparse":  # four in five answers wrong: few tasks teach anything
-        kept = [r if i % SPARSE_EVERY == 0 else dict(r, answer=str(int(r["answer"]) + 7))
-                for i, r in enumerate(rows[:SPARSE])]
+        kept = [r if i % CLEAN_EVERY == 0 else _broken(r) for i, r in enumerate(rows[:SPARSE])]
     elif name == "sources":  # two sources, one with broken answers, named in a column
-        kept = [dict(r, source="clean") if i % SPARSE_EVERY == 0
-                else dict(r, answer=str(int(r["answer"]) + 7), source="broken") for i, r in enumerate(rows)]
+        kept = [dict(r, source="clean") if i % CLEAN_EVERY == 0 else dict(_broken(r), source="broken")
+                for i, r in enumerate(rows)]
     elif name == "noisy":  # every other row's answer is wrong: a task no policy can solve
-        kept = [dict(r, answer=str(int(r["answer"]) + 7)) if i % 2 else r for i, r in enumerate(rows)]
+        kept = [_broken(r) if i % 2 else r for i, r in enumerate(rows)]
     else:
         hard = [r for r in rows if r["difficulty"] > 0][:EASY_HEAVY_HARD]
         kept = [r for r in rows if r["difficulty"] == 0 or r in hard]

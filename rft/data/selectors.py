@@ -189,12 +189,16 @@ class Difficulty:
         self.position = {t.task_id: i for i, t in enumerate(tasks)}
         self.order = np.random.default_rng(self.seed).permutation(len(tasks))  # new tasks come in this order
         self.met = np.zeros(len(tasks), dtype=bool)  # drawn as a new task already
-        self.drawn = 0  # tasks met
         self.solved = np.zeros(len(tasks))
         self.tried = np.zeros(len(tasks))
         self.group_names, self.group_of = _groups(tasks, config.group_key)
         self.batches = 0
         self.last: dict[str, float] = {"expected": 0.0, "revisited": 0.0}
+
+    @property
+    def drawn(self) -> int:
+        """Tasks met so far (drawn as new tasks)."""
+        return int(self.met.sum())
 
     def _smoothed(self, solved: np.ndarray, tried: np.ndarray) -> np.ndarray:
         cfg, total = self.config, self.tried.sum()
@@ -255,7 +259,6 @@ class Difficulty:
         revisits = min(round(n * self.config.revisit), before.size)
         new = self._new_tasks(n - revisits, rng)
         self.met[new] = True
-        self.drawn += new.size
         revisits = n - new.size  # every task drawn: the rest by weight too
         chosen = new
         if revisits:
@@ -296,14 +299,13 @@ class Difficulty:
 
     def state_dict(self) -> dict:
         return {"solved": self.solved.tolist(), "tried": self.tried.tolist(), "batches": self.batches,
-                "drawn": self.drawn, "met": np.flatnonzero(self.met).tolist(), "num_tasks": len(self.tasks),
-                "seed": self.seed}
+                "met": np.flatnonzero(self.met).tolist(), "num_tasks": len(self.tasks), "seed": self.seed}
 
     def load_state_dict(self, state: dict) -> None:
         _check_size(state, len(self.tasks), self.seed, "difficulty")
         self.solved = np.asarray(state["solved"], dtype=float)
         self.tried = np.asarray(state["tried"], dtype=float)
-        self.batches, self.drawn = int(state["batches"]), int(state["drawn"])
+        self.batches = int(state["batches"])
         self.met[:] = False
         # checkpoints from before group_key met tasks in the seeded order alone: order[:drawn]
-        self.met[np.asarray(state["met"], dtype=np.int64) if "met" in state else self.order[: self.drawn]] = True
+        self.met[np.asarray(state["met"], dtype=np.int64) if "met" in state else self.order[: int(state["drawn"])]] = True

@@ -74,9 +74,7 @@ class _Stage:
         self.prev, self.next = ps.get_pipeline_model_parallel_prev_rank(), ps.get_pipeline_model_parallel_next_rank()
         self.device = next(model.parameters()).device
 
-    def input_buffer(self, mb: Microbatch) -> torch.Tensor | None:
-        if self.first:
-            return None
+    def input_buffer(self, mb: Microbatch) -> torch.Tensor:
         shape = (mb.input_ids.shape[1], mb.input_ids.shape[0], self.model.config.hidden_size)
         return torch.empty(shape, dtype=self.model.config.pipeline_dtype, device=self.device)
 

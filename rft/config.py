@@ -206,6 +206,7 @@ class TrainerConfig:
     loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
     recompute: str = "none"  # none | selective (core attention) | full (every layer): activations redone in backward
+    sequence_parallel: bool = False  # with TP > 1: norms and residuals hold 1/TP of the sequence each (Megatron's SP)
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end
 
 
@@ -800,6 +801,17 @@ def validate(cfg: RFTConfig) -> None:
         if trainer.recompute != cfg.trainer.recompute:
             config_error(f"{prefix}trainer.recompute", trainer.recompute,
                          "the trainer's model is built once for the run; set trainer.recompute globally")
+        if trainer.sequence_parallel != cfg.trainer.sequence_parallel:
+            config_error(f"{prefix}trainer.sequence_parallel", trainer.sequence_parallel,
+                         "the trainer's model is built once for the run; set trainer.sequence_parallel globally")
+        if trainer.sequence_parallel and tp < 2:
+            config_error(f"{prefix}trainer.sequence_parallel", True,
+                         "splits the sequence over tensor-parallel ranks: set trainer.tensor_parallel_size "
+                         "to 2 or more, or sequence_parallel=false")
+        if trainer.sequence_parallel and trainer.lora.rank:
+            config_error(f"{prefix}trainer.sequence_parallel", True,
+                         "LoRA adapters see the layers' inputs before Megatron gathers the sequence: "
+                         "set trainer.sequence_parallel=false with trainer.lora.rank > 0")
     if cfg.sync.interval < 1:
         config_error("sync.interval", cfg.sync.interval, "use 1 (a sync after every step) or more")
     if cfg.sync.offset < 0:

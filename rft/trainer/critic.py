@@ -27,7 +27,7 @@ import torch.distributed as dist
 from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
 from rft.algorithms.value_loss import clipped_value_loss
 from rft.config import AlgorithmConfig
-from rft.trainer.forward import Microbatch
+from rft.trainer.forward import Microbatch, gather_sequence
 from rft.trainer.pipeline import forward_pipelined
 from rft.trainer.model import collective_device
 from rft.trainer.optimizer import build_optimizer
@@ -38,14 +38,16 @@ class ValueHead(torch.nn.Module):
     """hidden [s, b, h] -> values [s, b, 1]; replicated on every TP rank.
 
     Stands in for GPTModel's output layer, so it returns (output, bias) and accepts the keywords
-    GPTModel passes. The decoder's output is complete on every TP rank (no sequence parallelism),
-    so each rank computes the same values and the gradient into the trunk needs no TP reduction,
-    as the policy's vocab-parallel loss (rft/trainer/forward.py). Parameter names end in
+    GPTModel passes. The decoder's output is complete on every TP rank (under sequence parallelism
+    once gathered), so each rank computes the same values and the gradient into the trunk needs
+    no TP reduction, as the policy's vocab-parallel loss (rft/trainer/forward.py). Parameter names end in
     `head.weight`/`head.bias`, which `tp_split_dim` treats as replicated (grad norm counts them once).
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, seed: int):
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device, seed: int,
+                 sequence_parallel: bool = False):
         super().__init__()
+        self.sequence_parallel = sequence_parallel
         self.head = torch.nn.Linear(hidden_size, 1, dtype=dtype, device=device)
         # the same weights on every rank without a broadcast: a private generator, not the global RNG
         # (whose state differs between stages); std 1/(h+1) as OpenRLHF's value head, bias 0
@@ -57,6 +59,8 @@ class ValueHead(torch.nn.Module):
 
     def forward(self, hidden: torch.Tensor, weight: Any = None, runtime_gather_output: Any = None
                 ) -> tuple[torch.Tensor, None]:
+        if self.sequence_parallel:
+            hidden = gather_sequence(hidden)
         return self.head(hidden), None
 
 
@@ -71,11 +75,13 @@ def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
     from rft.trainer.model import build_gpt_model
 
     granularity = policy.config.recompute_granularity  # None, "selective" or "full": the critic recomputes alike
-    model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none")
+    model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none",
+                               sequence_parallel=policy.config.sequence_parallel)
     model.real_vocab_size = None  # no vocabulary columns to mask (forward.model_forward)
     if model.post_process:
         param = next(model.parameters())
-        model.output_layer = ValueHead(model.config.hidden_size, param.dtype, param.device, seed)
+        model.output_layer = ValueHead(model.config.hidden_size, param.dtype, param.device, seed,
+                                       model.config.sequence_parallel)
     # the policy's own output layer (tied or not) is what the value head replaces
     trunk = {k: v for k, v in policy.state_dict().items() if not k.startswith("output_layer.")}
     missing, unexpected = model.load_state_dict(trunk, strict=False)

@@ -12,7 +12,7 @@ import torch
 
 from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
-from rft.trainer.forward import Microbatch, pack_microbatch
+from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.pipeline import forward_logprobs_pipelined
 from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
 
@@ -28,8 +28,8 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
     per_mb = max(1, micro_batch_size // 2)
     chunks = [[r for p in pairs[s: s + per_mb] for r in (2 * p, 2 * p + 1)] for s in range(0, len(pairs), per_mb)]
     device = next(model.parameters()).device
-    mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device)
-           for idx in chunks]
+    mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device,
+                           multiple_of=sequence_multiple(model)) for idx in chunks]
     num_pairs = float(len(batch.prompt_ids) // 2)
     with torch.no_grad():
         ref = forward_logprobs_pipelined(ref_model, mbs)

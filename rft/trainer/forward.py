@@ -61,19 +61,27 @@ def _loss_mask(prompts: list[list[int]], responses: list[list[int]], width: int,
     return mask
 
 
+def sequence_multiple(model) -> int:
+    """What a microbatch's sequence length must be a multiple of: TP under sequence parallelism
+    (each TP rank holds an equal slice of the sequence), else 1."""
+    config = model.config
+    return config.tensor_model_parallel_size if config.sequence_parallel else 1
+
+
 def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                     device: torch.device, response_masks: list[list[int]] | None = None,
-                    packed: bool = False) -> Microbatch:
-    """Prompt + response per sequence, right-padded (or, `packed`, back to back in one row)."""
+                    packed: bool = False, multiple_of: int = 1) -> Microbatch:
+    """Prompt + response per sequence, right-padded (or, `packed`, back to back in one row), the
+    row's length padded up to `multiple_of` (`sequence_multiple`)."""
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
-    width = max(lengths)
+    width = max(lengths) if packed else _round_up(max(lengths), multiple_of)  # of the padded layout
     mask = _loss_mask(prompts, responses, width, response_masks).to(device)
     # where each sequence starts in input_ids, flattened: row starts (padded) or offsets in the one row (packed)
     starts = torch.tensor([0] + lengths[:-1]).cumsum(0) if packed else torch.arange(len(lengths)) * width
     targets = torch.cat([torch.arange(len(p) - 1, len(p) + len(r) - 1) + start
                          for p, r, start in zip(prompts, responses, starts.tolist())]).to(device)
     if packed:
-        return _packed(prompts, responses, lengths, starts, mask, targets, device)
+        return _packed(prompts, responses, lengths, starts, mask, targets, device, pad_id, multiple_of)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.int64)
     for row, (p, r) in enumerate(zip(prompts, responses)):
         ids[row, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.int64)
@@ -81,8 +89,13 @@ def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id
     return Microbatch(ids.to(device), mask, positions.contiguous().to(device), response_targets=targets)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[int], starts: torch.Tensor,
-            mask: torch.Tensor, targets: torch.Tensor, device: torch.device) -> Microbatch:
+            mask: torch.Tensor, targets: torch.Tensor, device: torch.device, pad_id: int,
+            multiple_of: int) -> Microbatch:
     ids = torch.tensor([t for p, r in zip(prompts, responses) for t in p + r], dtype=torch.int64)
     total, width = len(ids), max(lengths)
     sequence = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
@@ -90,8 +103,12 @@ def _packed(prompts: list[list[int]], responses: list[list[int]], lengths: list[
     # sequence i's target t (predicting its token t+1) sits at starts[i] + t of the packed row
     t = torch.arange(width - 1)
     row_index = torch.where(t[None, :] < torch.tensor(lengths)[:, None] - 1, starts[:, None] + t[None, :], -1)
-    return Microbatch(ids[None].to(device), mask, positions[None].to(device), thd_params(lengths, device),
-                      row_index.to(device), targets)
+    filler = _round_up(total, multiple_of) - total  # a sequence of its own: no real token attends to it
+    if filler:
+        ids = torch.cat([ids, torch.full((filler,), pad_id, dtype=torch.int64)])
+        positions = torch.cat([positions, torch.arange(filler)])
+    return Microbatch(ids[None].to(device), mask, positions[None].to(device),
+                      thd_params(lengths + ([filler] if filler else []), device), row_index.to(device), targets)
 
 
 def thd_params(lengths: list[int], device: torch.device):
@@ -139,23 +156,43 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp_grou
     return logprobs, entropy
 
 
+def gather_sequence(hidden: torch.Tensor) -> torch.Tensor:
+    """This TP rank's slice [s/TP, b, h] of sequence-parallel hidden states -> all of it [s, b, h],
+    for a consumer that then computes the same thing on every TP rank (its gradient into `hidden`
+    is complete on each rank, so backward keeps this rank's slice instead of summing them)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+
+    return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
+                                                group=parallel_state.get_tensor_model_parallel_group())
+
+
 @contextmanager
 def _output_layer_at(model, positions: torch.Tensor | None):
     """While open, the model's output layer sees only the hidden states at `positions` (row-major
-    over [b, s]), so the model returns logits [1, len(positions), V/tp]."""
+    over [b, s]), so the model returns logits [1, len(positions), V/tp]. Under sequence
+    parallelism the sequence is gathered first, and the layer, told it is not sequence-parallel
+    for the while, all-reduces its input's gradient (as Megatron does to take only the last
+    token's logits in inference)."""
     if positions is None or not model.post_process:
         yield
         return
+    layer = model.output_layer
+    sequence_parallel = layer.sequence_parallel
 
     def select(_module, args):
-        hidden = args[0]  # [s, b, h]
+        hidden = args[0]  # [s, b, h] ([s/TP, b, h] sequence-parallel)
+        if sequence_parallel:
+            hidden = gather_sequence(hidden)
         picked = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])[positions]
         return (picked.unsqueeze(1), *args[1:])
 
-    handle = model.output_layer.register_forward_pre_hook(select)
+    handle = layer.register_forward_pre_hook(select)
+    layer.sequence_parallel = False
     try:
         yield
     finally:
+        layer.sequence_parallel = sequence_parallel
         handle.remove()
 
 

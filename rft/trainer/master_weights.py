@@ -115,13 +115,17 @@ class MasterWeightsOptimizer:
 
 
 def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
-    """Sum gradients over DP replicas, over TP for q/k norms, and over the two copies of a tied
-    embedding under PP (in place)."""
+    """Sum gradients over DP replicas; over TP for q/k norms (each TP rank saw its own heads) and,
+    under sequence parallelism, for every parameter Megatron marks `sequence_parallel` (norms:
+    each TP rank saw its slice of the sequence); and over the two copies of a tied embedding under
+    PP (in place)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() > 1:
+        params = dict(model.named_parameters())
         for name, g in grads.items():
-            if name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
+            if name.endswith(("q_layernorm.weight", "k_layernorm.weight")) or \
+                    getattr(params.get(name), "sequence_parallel", False):
                 dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
     if ps.get_data_parallel_world_size() > 1:
         for g in grads.values():

@@ -3,7 +3,8 @@
 Weights move in and out through `rft/weights/convert.py`.
 
 The trainer's model is Megatron's own `GPTModel` with the local (non-Transformer-Engine) layer
-spec, so the same code runs on CPU (gloo, see cpu_compat.py) and on GPUs.
+spec, so the same code runs on CPU (gloo, see cpu_compat.py) and on GPUs. With
+trainer.sequence_parallel the norms and residuals between TP matmuls hold [s/TP, b, h].
 """
 
 from __future__ import annotations
@@ -62,27 +63,47 @@ RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations re
 }
 
 
-def layer_spec(qk_norm: bool):
-    """Megatron's local layer spec (no Transformer Engine) with its core attention replaced by
-    PyTorch's fused kernels (rft/trainer/attention.py): flash attention on GPUs, variable-length
-    for packed microbatches, instead of an fp32 score matrix per head."""
+class RMSNorm(torch.nn.RMSNorm):
+    """PyTorch's RMSNorm, which Megatron's local spec builds (WrappedTorchNorm) but refuses under
+    sequence parallelism only because it does not mark its weight: marked here, as Megatron's own
+    fused norms do, so that the weight's gradient, from 1/TP of the sequence on each TP rank, is
+    summed over TP (master_weights.sync_grads; Megatron's DDP on CUDA)."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = config.sequence_parallel
+
+
+def block_spec(config, qk_norm: bool):
+    """This pipeline stage's layers: Megatron's local layer spec (no Transformer Engine) with its
+    core attention replaced by PyTorch's fused kernels (rft/trainer/attention.py): flash attention
+    on GPUs, variable-length for packed microbatches, instead of an fp32 score matrix per head;
+    every norm, the final one included, is `RMSNorm`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     from rft.trainer.attention import FusedCoreAttention
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
-    spec.submodules.self_attention.submodules.core_attention = FusedCoreAttention
-    return spec
+    layer = spec.submodules
+    layer.self_attention.submodules.core_attention = FusedCoreAttention
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if qk_norm:
+        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
 
 
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
-                    recompute: str = "none"):
+                    recompute: str = "none", sequence_parallel: bool = False):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
 
     `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
     untied so its output layer (a value head) is its own and the PP embedding group leaves it alone.
     `recompute` (trainer.recompute): none | selective (core attention) | full (every layer's
-    activations), trading backward compute for activation memory.
+    activations), trading backward compute for activation memory. `sequence_parallel`
+    (trainer.sequence_parallel, TP > 1): between the tensor-parallel matmuls each TP rank holds
+    [s/TP, b, h] of the hidden states, so norms, residuals and dropout cost 1/TP of the memory
+    and compute; microbatches are padded to a multiple of TP (forward.sequence_multiple).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -120,6 +141,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
+        sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=params_dtype,
         params_dtype=params_dtype,
@@ -140,7 +162,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     )
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(geo.qk_norm),
+        transformer_layer_spec=block_spec(config, geo.qk_norm),
         vocab_size=padded_vocab(geo.vocab_size, tp),
         max_sequence_length=hf.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -5,7 +5,7 @@ runs P - s - 1 forwards (warm-up), then alternates one forward and one backward,
 the backwards left: Megatron's non-interleaved 1F1B. A stage holds the activations of at most
 P - s microbatches at once, where a GPipe order (every forward, then every backward) held all of
 them; each parameter's gradient still sums its microbatches in the same order. Stages exchange
-hidden states [s, b, h] and their gradients point to point on the trainer group, a send and the
+hidden states [s, b, h] ([s/TP, b, h] sequence-parallel) and their gradients point to point on the trainer group, a send and the
 receive it waits on posted together (batch_isend_irecv) so that neighbours never both wait.
 
 Megatron's own schedules allocate CUDA tensors unconditionally (see rft/trainer/cpu_compat.py), so
@@ -75,8 +75,10 @@ class _Stage:
         self.device = next(model.parameters()).device
 
     def input_buffer(self, mb: Microbatch) -> torch.Tensor:
-        shape = (mb.input_ids.shape[1], mb.input_ids.shape[0], self.model.config.hidden_size)
-        return torch.empty(shape, dtype=self.model.config.pipeline_dtype, device=self.device)
+        config = self.model.config  # sequence-parallel stages exchange their TP rank's slice
+        length = mb.input_ids.shape[1] // (config.tensor_model_parallel_size if config.sequence_parallel else 1)
+        shape = (length, mb.input_ids.shape[0], config.hidden_size)
+        return torch.empty(shape, dtype=config.pipeline_dtype, device=self.device)
 
     def exchange(self, send_output: torch.Tensor | None = None, receive_input_for: Microbatch | None = None,
                  send_input_grad: torch.Tensor | None = None, receive_grad_of: torch.Tensor | None = None

@@ -31,7 +31,7 @@ from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
 from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
-from rft.trainer.forward import Microbatch, pack_microbatch
+from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import mini_batch_rows, microbatches, mini_batches
 from rft.trainer.model import collective_device
 from rft.trainer.optimizer import StepResult, TrainerOptimizer
@@ -229,7 +229,8 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
 
     def pack(idx_chunks):
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                                pad_id, device, [batch.mask_of(i) for i in idx], packed) for idx in idx_chunks]
+                                pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model))
+                for idx in idx_chunks]
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
     early = None  # advantages from the rewards alone, on every rank, when rows may be skipped

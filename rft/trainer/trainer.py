@@ -48,7 +48,8 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     """Train every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size)
-    model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute)
+    model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
+                                 sequence_parallel=cfg.trainer.sequence_parallel)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, info, group, stop, resume, f"trainer{info.rank}", monitor=info.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)

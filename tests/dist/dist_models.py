@@ -59,3 +59,25 @@ def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:
 
 def spawn(worker, world: int, *args) -> None:
     start_ranks(worker, world, world, *args)
+
+
+class LiveActivations:
+    """Bytes of tensors autograd saved for backward and has not freed yet, and their peak: a saved
+    tensor is wrapped, and the wrapper's end (when backward frees the graph) is counted."""
+
+    def __init__(self):
+        self.live = self.peak = 0
+
+    def hooks(self):
+        counter = self
+
+        class Saved:
+            def __init__(self, tensor):
+                self.tensor, self.bytes = tensor, tensor.numel() * tensor.element_size()
+                counter.live += self.bytes
+                counter.peak = max(counter.peak, counter.live)
+
+            def __del__(self):
+                counter.live -= self.bytes
+
+        return torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)

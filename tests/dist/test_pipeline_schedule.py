@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from dist_models import create_family_model, free_port, init_gloo, spawn
+from dist_models import LiveActivations, create_family_model, free_port, init_gloo, spawn
 
 MICROBATCHES = 8
 
@@ -24,28 +24,6 @@ def _microbatches(same_shape: bool, packed: bool):
         responses = [torch.randint(3, 90, (n,), generator=g).tolist() for n in lengths]
         mbs.append(pack_microbatch(prompts, responses, 0, torch.device("cpu"), packed=packed))
     return mbs
-
-
-class _LiveActivations:
-    """Bytes of tensors autograd saved for backward and has not freed yet, and their peak: a saved
-    tensor is wrapped, and the wrapper's end (when backward frees the graph) is counted."""
-
-    def __init__(self):
-        self.live = self.peak = 0
-
-    def hooks(self):
-        counter = self
-
-        class Saved:
-            def __init__(self, tensor):
-                self.tensor, self.bytes = tensor, tensor.numel() * tensor.element_size()
-                counter.live += self.bytes
-                counter.peak = max(counter.peak, counter.live)
-
-            def __del__(self):
-                counter.live -= self.bytes
-
-        return torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
 
 
 def _loss(m, mb, logprobs, _entropy):
@@ -73,12 +51,13 @@ def _worker(rank: int, world: int, pp: int, port: int, model_dir: str, out_dir: 
         with torch.no_grad():  # the gradients, HF-named through the weights' exporter
             for n, p in model.named_parameters():
                 p.copy_(p.grad)
-            result[f"grads_packed{packed}"] = dict(export_hf_weights(model, geo))
+            # cloned: at TP=1 an exported tensor can be a view of the parameter, restored below
+            result[f"grads_packed{packed}"] = {n: t.clone() for n, t in export_hf_weights(model, geo)}
             for n, p in model.named_parameters():
                 p.copy_(weights[n])
     same = _microbatches(same_shape=True, packed=False)
     for count in (1, MICROBATCHES):
-        memory = _LiveActivations()
+        memory = LiveActivations()
         with memory.hooks():
             forward_backward(model, same[:count], _loss, with_entropy=False)
         result[f"peak{count}"] = memory.peak

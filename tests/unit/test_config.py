@@ -112,6 +112,9 @@ def test_generated_arithmetic_needs_an_eval_path(tmp_path):
      "must divide cluster.trainer_ranks=3"),
     (["sync.engine=rdma"], "sync.engine", "gloo"),
     (["sync.wire_dtype=int4"], "sync.wire_dtype", "bfloat16"),
+    (["trainer.sequence_parallel=true"], "trainer.sequence_parallel", "tensor_parallel_size to 2 or more"),
+    (["trainer.sequence_parallel=true", "cluster.trainer_ranks=3", "trainer.tensor_parallel_size=3",
+      "trainer.lora.rank=8"], "trainer.sequence_parallel", "sequence_parallel=false with trainer.lora.rank"),
 ])
 def test_parallel_layout_must_fit_the_model(tmp_path, overrides, key, says):
     """SmolLM2-135M's shape (9 heads, 3 KV heads, 30 layers) read from its config.json."""

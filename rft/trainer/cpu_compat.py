@@ -5,17 +5,24 @@ megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/
   - the model-parallel RNG tracker saves/restores CUDA RNG state (`_get_cuda_rng_state`,
     `_set_cuda_rng_state`, `torch.cuda.manual_seed`, `torch.cuda.get_rng_state`);
   - with pipeline stages and tied embeddings, GPTModel calls `.cuda()` on the output layer copy
-    before all-reducing it with the first stage (`Tensor.cuda` keeps the tensor where it is).
-Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives) runs on
-CPU as is. This module redirects exactly those calls to their CPU equivalents. It is applied only
-when CUDA is absent and is the one place such redirects live. Megatron's pipeline schedules, DDP
-and optimizer still need CUDA, so the trainer uses its own 1F1B loop (rft/trainer/pipeline.py)
-and torch AdamW.
+    before all-reducing it with the first stage (`Tensor.cuda` keeps the tensor where it is);
+  - the pipeline schedules' p2p code calls `torch.cuda.synchronize()` after each exchange (a no-op
+    here: there is no device stream to wait for), and the schedules count tokens in a tensor made
+    with `device="cuda"` (`cuda_tensors_on_cpu`, around a schedule's call).
+Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives and
+p2p, Megatron's 1F1B schedule) runs on CPU as is. This module redirects exactly those calls to
+their CPU equivalents. It is applied only when CUDA is absent and is the one place such redirects
+live. Megatron's DDP and optimizer still need CUDA, so on CPU the trainer uses torch AdamW under
+its own fp32 master weights (rft/trainer/master_weights.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
+from torch.overrides import TorchFunctionMode
 
 _APPLIED = False
 
@@ -39,8 +46,30 @@ def apply_cpu_redirects() -> bool:
     # GPTModel moves a tied output layer to CUDA before syncing it across pipeline stages
     torch.Tensor.cuda = lambda self, *args, **kwargs: self  # type: ignore[method-assign]
     torch.cuda.manual_seed = torch.manual_seed  # type: ignore[assignment]
+    torch.cuda.synchronize = lambda *_args, **_kwargs: None  # type: ignore[assignment]
     torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
     mp_random._get_cuda_rng_state = get_rng_state
     mp_random._set_cuda_rng_state = set_rng_state
     _APPLIED = True
     return True
+
+
+class _CudaFactoriesOnCpu(TorchFunctionMode):
+    """Tensors asked for with device="cuda" are made on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(kwargs.get("device", "")).startswith("cuda"):
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu() -> Iterator[None]:
+    """While open, and only without CUDA, a tensor created with device="cuda" lands on the CPU
+    (Megatron's schedules make their token counter that way)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    with _CudaFactoriesOnCpu():
+        yield

@@ -2,7 +2,7 @@
 
 The critic is a second Megatron GPTModel, this rank's TP x PP shard like the policy, whose output
 layer is a value head (hidden -> 1) instead of the vocabulary projection, so GPTModel.forward
-returns one value per position and the pipeline loop (rft/trainer/pipeline.py) runs it unchanged.
+returns one value per position and the pipeline schedule (rft/trainer/pipeline.py) runs it unchanged.
 It is built untied (its output layer is its own, the PP embedding group never touches it) and its
 trunk starts as a copy of the policy at the stage start: the HF weights in a first stage, the
 SFT'd weights after a warm-up (verl starts its critic from the checkpoint the actor starts from).

@@ -144,6 +144,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp,
         pipeline_dtype=params_dtype,
+        deallocate_pipeline_outputs=True,  # a sent output keeps only its graph until its backward
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -160,6 +161,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         calculate_per_token_loss=True,
         **RECOMPUTE[recompute],
     )
+    # microbatches differ in length and rows: pipeline stages exchange shapes first. Set after
+    # construction: TransformerConfig refuses it with its default MoE token dispatcher, even
+    # in a model without experts.
+    config.variable_seq_lengths = True
     model = GPTModel(
         config=config,
         transformer_layer_spec=block_spec(config, geo.qk_norm),

@@ -1,4 +1,4 @@
-"""The pipeline's 1F1B schedule (rft/trainer/pipeline.py) on gloo ranks: PP=2 and PP=4 give the
+"""Megatron's 1F1B schedule, as rft/trainer/pipeline.py drives it, on gloo ranks: PP=2 and PP=4 give the
 gradients of PP=1 over eight microbatches of different lengths (packed and padded), and a stage
 holds the saved activations of at most P - s microbatches at once, where every-forward-then-
 every-backward (GPipe) held all eight."""

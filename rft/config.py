@@ -1,22 +1,20 @@
 """The typed config tree: every key rft understands, its default and a one-line doc.
 
 YAML under `conf/` only selects and overrides these dataclasses; an unknown key fails at compose
-time (Hydra structured configs are in struct mode). `validate()` then checks values and the
-filesystem before any process starts, raising `ValueError` that names the key, the bad value and
-the fix.
+time (Hydra structured configs are in struct mode). `validate()` (rft/config_checks.py) then checks
+values and the filesystem before any process starts, raising `ValueError` that names the key, the
+bad value and the fix. What is derived from a config (stages, world size, context length, sync
+engine) lives here beside the tree.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, ListConfig, OmegaConf
+from omegaconf import MISSING, OmegaConf
 
 from rft.data.config import JudgeDifficultyConfig, ReplayConfig, SelectorConfig
 
@@ -379,27 +377,12 @@ def stage_configs(cfg: RFTConfig) -> list[tuple[str, RFTConfig]]:
     return resolved
 
 
-RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
-OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/data/context_fit.py)
-_DTYPES = ("float32", "bfloat16", "float16")
-
-
 def config_error(key: str, value: Any, fix: str) -> None:
     """Raise the ValueError every config check uses: the key, its value, and how to fix it."""
     raise ValueError(f"{key}={value!r} is invalid: {fix}")
 
 
-def _check_file(key: str, path: Optional[str], generated: bool) -> None:
-    if path is None or generated:
-        return
-    if not os.path.exists(path):
-        config_error(key, path, "no such file; point it at a .jsonl or .parquet taskset "
-                         f"(e.g. `{key}=../shared/data/gsm8k/train.jsonl`)")
-    if not path.endswith((".jsonl", ".json", ".parquet")):
-        config_error(key, path, "use a .jsonl or .parquet file")
-
-
-def _hf_config(model: ModelConfig) -> Optional[dict[str, Any]]:
+def hf_config_json(model: ModelConfig) -> Optional[dict[str, Any]]:
     """The model's config.json as a dict (the tiny model's from its settings), without loading it."""
     if model.tiny is not None:
         t = model.tiny
@@ -414,83 +397,12 @@ def _hf_config(model: ModelConfig) -> Optional[dict[str, Any]]:
         return json.load(f)
 
 
-def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
-    """(attention heads, key/value heads, layers) of the model, read without loading it."""
-    hf = _hf_config(cfg.model)
-    if hf is None:
-        return None
-    heads = hf.get("num_attention_heads", 1)
-    return heads, hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers", 1)
-
-
 def context_length(model: ModelConfig) -> int:
     """Tokens of prompt + response rft gives the model: `model.max_seq_len`, capped by the model's
     max_position_embeddings. vLLM's max_model_len; every taskset row is fitted into it
     (rft/data/context_fit.py), so a trainer microbatch holds at most micro_batch_size x this."""
-    hf = _hf_config(model) or {}
+    hf = hf_config_json(model) or {}
     return min(model.max_seq_len, hf.get("max_position_embeddings") or model.max_seq_len)
-
-
-def _check_parallel_layout(cfg: RFTConfig) -> None:
-    """TP must split whole heads and key/value groups, PP whole layers (trainer and vLLM alike)."""
-    shape = _model_shape(cfg)
-    if shape is None:
-        return
-    heads, kv_heads, layers = shape
-    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
-    if heads % tp or kv_heads % tp:
-        config_error("trainer.tensor_parallel_size", tp,
-              f"must divide the model's {heads} attention heads and {kv_heads} key/value heads")
-    if layers % pp:
-        config_error("trainer.pipeline_parallel_size", pp, f"must divide the model's {layers} layers")
-    rtp = cfg.rollout.tensor_parallel_size
-    if heads % rtp:
-        config_error("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
-
-
-def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
-    """Every registry key names a built-in or a dotted path whose signature fits (checked here,
-    before launch, so a typo fails on the login node)."""
-    from rft.algorithms import registries
-
-    for key, registry in registries().items():
-        if key == "policy_loss" and algo.policy_loss == "dpo":
-            continue  # pairs, not per-token losses: rft/trainer/dpo_step.py
-        try:
-            registry.resolve(getattr(algo, key))
-        except ValueError as err:
-            config_error(f"{prefix}algorithm.{key}", getattr(algo, key), str(err))
-    if algo.critic_lr <= 0:
-        config_error(f"{prefix}algorithm.critic_lr", algo.critic_lr, "the critic's learning rate must be positive")
-    if algo.value_clip is not None and algo.value_clip <= 0:
-        config_error(f"{prefix}algorithm.value_clip", algo.value_clip, "use a positive value, e.g. 0.2, or null (no clip)")
-    if algo.name == "sft" and algo.policy_loss != "sft":
-        config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                     "algorithm.name=sft trains on reference answers: set algorithm.policy_loss=sft too")
-    if algo.lr_decay not in LR_DECAYS:
-        config_error(f"{prefix}algorithm.lr_decay", algo.lr_decay, f"use one of {', '.join(LR_DECAYS)}")
-    if not 0.0 <= algo.min_lr_ratio <= 1.0:
-        config_error(f"{prefix}algorithm.min_lr_ratio", algo.min_lr_ratio, "use a share of lr from 0 to 1, e.g. 0.1")
-    if algo.kl_mode not in ("loss", "reward"):
-        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode, "use loss or reward")
-    if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
-        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode,
-                     f"advantage {algo.advantage} scores whole responses; a per-token KL reward needs "
-                     "advantage=reinforce_pp or gae (or kl_mode=loss)")
-    if algo.clip_eps_high is not None and algo.clip_eps_high <= 0:
-        config_error(f"{prefix}algorithm.clip_eps_high", algo.clip_eps_high, "use a positive value, e.g. 0.28")
-    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
-        config_error(f"{prefix}algorithm.dual_clip_c", algo.dual_clip_c, "must be > 1, e.g. 3.0")
-    if algo.tis_cap is not None and algo.tis_cap <= 0:
-        config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
-    if algo.ppo_epochs < 1:
-        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs, "use 1 or more passes over each batch")
-    if algo.mini_batch_size < 0:
-        config_error(f"{prefix}algorithm.mini_batch_size", algo.mini_batch_size,
-                     "use 0 (the whole batch per optimizer step) or a number of rows")
-    if algo.policy_loss == "dpo" and (algo.ppo_epochs > 1 or algo.mini_batch_size):
-        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs,
-                     "DPO takes one optimizer step per batch of pairs: leave ppo_epochs=1 and mini_batch_size=0")
 
 
 def generated_data(cfg: RFTConfig) -> list[RFTConfig]:
@@ -503,75 +415,6 @@ def generated_data(cfg: RFTConfig) -> list[RFTConfig]:
         if stage.data and ("arithmetic" in stage.data or "from_env" in stage.data):
             sections.append(resolved)
     return sections
-
-
-def _check_env_tasks(prefix: str, stage: RFTConfig) -> None:
-    """data.from_env needs an environment that can draw tasks (or demos) of its own."""
-    from rft.explorer.envs import ENVIRONMENTS
-
-    generate, env = stage.data.from_env, stage.rollout.env
-    if generate.kind not in ("tasks", "demos"):
-        config_error(f"{prefix}data.from_env.kind", generate.kind, "use tasks (rows to play) or demos (SFT conversations)")
-    if env is None:
-        config_error(f"{prefix}data.from_env", "set", "the tasks come from rollout.env, which is not set")
-    method = "sample_demos" if generate.kind == "demos" else "sample_tasks"
-    try:
-        has = callable(getattr(ENVIRONMENTS.resolve(env), method, None))
-    except ValueError as err:
-        config_error(f"{prefix}rollout.env", env, str(err))
-    if not has:
-        config_error(f"{prefix}data.from_env.kind", generate.kind, f"environment {env} has no {method}(n, seed); "
-                     "write the taskset yourself and set data.train_path")
-    if generate.num_train < 1 or generate.num_eval < 0:
-        config_error(f"{prefix}data.from_env.num_train", generate.num_train, "use 1 or more rows (num_eval 0 or more)")
-
-
-def _check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
-    """The workflow, its environment and the reward: each a built-in or a dotted path whose
-    signature fits, checked here so a typo fails on the login node; and the limits they run under."""
-    from rft.explorer.envs import ENVIRONMENTS, make_env
-    from rft.explorer.rewards import REWARDS
-    from rft.explorer.workflows import WORKFLOWS
-
-    rollout, algo = stage.rollout, stage.algorithm
-    for key, registry, value in ((f"{prefix}algorithm.reward", REWARDS, algo.reward),
-                                 (f"{prefix}rollout.workflow", WORKFLOWS, rollout.workflow),
-                                 (f"{prefix}rollout.env", ENVIRONMENTS, rollout.env)):
-        if value is None:
-            continue
-        try:
-            registry.resolve(value)
-        except ValueError as err:
-            config_error(key, value, str(err))
-    if WORKFLOWS.meta(WORKFLOWS.resolve(rollout.workflow)).get("needs_env"):
-        if rollout.env is None:
-            config_error(f"{prefix}rollout.env", None, f"rollout.workflow={rollout.workflow} plays an environment: "
-                         f"choose one of {ENVIRONMENTS.names()} or a dotted path to a Gymnasium Env class")
-        try:
-            make_env(rollout.env, dict(rollout.env_args)).close()
-        except Exception as err:  # the environment's own check of its arguments
-            config_error(f"{prefix}rollout.env_args", dict(rollout.env_args), f"{type(err).__name__}: {err}")
-    for key, value, least in (("max_turns", rollout.max_turns, 1), ("max_concurrent_tasks", rollout.max_concurrent_tasks, 1),
-                              ("max_retries", rollout.max_retries, 0)):
-        if value < least:
-            config_error(f"{prefix}rollout.{key}", value, f"use {least} or more")
-    if not rollout.task_timeout_s > 0:
-        config_error(f"{prefix}rollout.task_timeout_s", rollout.task_timeout_s, "use a positive number of seconds")
-
-
-def _check_data_pipeline(prefix: str, stage: RFTConfig) -> None:
-    """The stage's task selector and task operators, and the run's experience operators and replay
-    (rft/data/config.py): each a built-in or a dotted path, with arguments it takes."""
-    from rft.buffer.operators import EXPERIENCE_OPERATORS
-    from rft.data.config import check_judge_difficulty, check_operators, check_replay, check_selector
-    from rft.data.task_operators import TASK_OPERATORS
-
-    check_selector(prefix, stage.data.selector, needs_rollouts(stage))
-    check_judge_difficulty(prefix, stage.data.judge_difficulty, needs_rollouts(stage), stage.cluster.judge_ranks,
-                           stage.judge.kind)
-    check_operators(f"{prefix}data.operators", stage.data.operators, TASK_OPERATORS)
-    check_operators("buffer.operators", stage.buffer.operators, EXPERIENCE_OPERATORS)
-    check_replay(stage.buffer.replay)
 
 
 def world_size(cfg: RFTConfig) -> int:
@@ -590,263 +433,6 @@ def world_size(cfg: RFTConfig) -> int:
 def judge_span(cfg: RFTConfig) -> int:
     """Tasks one judge engine spans: its TP size on GPU nodes (a task per GPU), else 1."""
     return cfg.judge.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
-
-
-def _check_serve(cfg: RFTConfig) -> None:
-    if not cfg.serve.step_s > 0:
-        config_error("serve.step_s", cfg.serve.step_s, "use a positive number of seconds")
-    if cfg.serve.duration_min is not None and not cfg.serve.duration_min > 0:
-        config_error("serve.duration_min", cfg.serve.duration_min, "use a positive number of minutes, or null")
-
-
-def _check_judge(cfg: RFTConfig) -> None:
-    judges, span = cfg.cluster.judge_ranks, judge_span(cfg)
-    if judges < 0 or (judges and cfg.mode not in ("both", "explore")):
-        config_error("cluster.judge_ranks", judges, "use 0, or judge ranks in a run that explores (mode=both|explore)")
-    if cfg.judge.tensor_parallel_size < 1:
-        config_error("judge.tensor_parallel_size", cfg.judge.tensor_parallel_size, "use 1 or more")
-    if judges % span:
-        config_error("cluster.judge_ranks", judges, f"must be a multiple of judge.tensor_parallel_size={span}: "
-                     "on GPU nodes a judge engine takes one task (one GPU) per TP rank")
-    if cfg.judge.kind not in ("generate", "classify"):
-        config_error("judge.kind", cfg.judge.kind, "use generate (an LLM judge) or classify (a reward model: an HF "
-                     "sequence-classification model in judge.model)")
-    if not cfg.judge.timeout_s > 0:
-        config_error("judge.timeout_s", cfg.judge.timeout_s, "use a positive number of seconds")
-    if cfg.judge.max_new_tokens < 1:
-        config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
-    for name, stage in stage_configs(cfg):
-        kind = {"llm_judge": "generate", "reward_model": "classify"}.get(stage.algorithm.reward)
-        key = f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward"
-        if kind and not judges:
-            config_error(key, stage.algorithm.reward, f"asks a judge engine: add cluster.judge_ranks=1 and "
-                         f"judge.kind={kind} (judge.model=<HF model directory>; default: the policy's starting weights)")
-        if kind and cfg.judge.kind != kind:
-            config_error(key, stage.algorithm.reward, f"needs judge.kind={kind} (judge.kind={cfg.judge.kind})")
-    if judges and cfg.judge.model is not None and not os.path.isfile(os.path.join(cfg.judge.model, "config.json")):
-        config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
-                     "or leave it unset to judge with the policy's starting weights (model.path)")
-
-
-def _check_engine_failure(cfg: RFTConfig) -> None:
-    policy, span = cfg.rollout.on_engine_failure, cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
-    if policy not in ("fail", "continue"):
-        config_error("rollout.on_engine_failure", policy, "use fail (a lost engine ends the job) or continue "
-                     "(the other engines take its tasks)")
-    if policy == "continue" and cfg.mode != "both":
-        config_error("rollout.on_engine_failure", policy, f"continue needs a trainer to go on with (mode=both); "
-                     f"mode={cfg.mode}'s engines host the job's meetings themselves")
-    if policy == "continue" and cfg.cluster.rollout_ranks // max(span, 1) < 2:
-        config_error("rollout.on_engine_failure", policy, "continue needs two engines or more "
-                     f"(cluster.rollout_ranks={cfg.cluster.rollout_ranks} makes one): nothing could go on")
-
-
-def _check_bench(cfg: RFTConfig) -> None:
-    b = cfg.bench
-    if not b.checkpoints and not b.run_dir:
-        config_error("bench.checkpoints", list(b.checkpoints), "mode=bench needs checkpoints: bench.checkpoints="
-                     "[dir1,dir2] (HF directories) or bench.run_dir=<a run with trainer.save_hf=true>")
-    for path in b.checkpoints:
-        if not os.path.isdir(path):
-            config_error("bench.checkpoints", path, "no such directory (an HF model directory)")
-    if b.run_dir and not os.path.isdir(os.path.join(b.run_dir, "checkpoints", "hf")):
-        config_error("bench.run_dir", b.run_dir, "has no checkpoints/hf/: run it with trainer.save_hf=true "
-                     "and trainer.save_interval=N")
-    if not b.k or min(b.k) < 1:
-        config_error("bench.k", list(b.k), "use a list of positive k, e.g. [1,4]")
-    if cfg.data.eval_path is None:
-        config_error("data.eval_path", None, "mode=bench evaluates on the eval taskset; set data.eval_path")
-
-
-def _check_finite(node: Any, prefix: str = "") -> None:
-    """No number of the config may be NaN or infinite: NaN passes every `value <= 0` check (all
-    comparisons with it are false), and an infinite rate or size is no setting."""
-    if dataclasses.is_dataclass(node):
-        items = ((f.name, getattr(node, f.name)) for f in dataclasses.fields(node))
-    elif isinstance(node, Mapping):  # also a stage's overrides, which stay DictConfigs
-        items = node.items()
-    elif isinstance(node, (list, tuple, ListConfig)):
-        items = ((f"[{i}]", v) for i, v in enumerate(node))
-    else:
-        if isinstance(node, float) and not math.isfinite(node):
-            config_error(prefix, node, "set a finite number")
-        return
-    for name, value in items:
-        _check_finite(value, f"{prefix}{name}" if name.startswith("[") or not prefix else f"{prefix}.{name}")
-
-
-def validate(cfg: RFTConfig) -> None:
-    """Check values and paths before launch; raise ValueError naming the key and the fix."""
-    _check_finite(cfg)
-    if cfg.mode not in ("both", "train", "explore", "serve", "bench"):
-        config_error("mode", cfg.mode, "use both (explore + train), train (offline: SFT, DPO), explore "
-                     "(rollouts only), serve (the OpenAI endpoint only) or bench")
-    if cfg.mode == "bench":
-        _check_bench(cfg)
-    if cfg.mode == "serve":
-        _check_serve(cfg)
-    _check_engine_failure(cfg)
-    if cfg.run.resume not in ("auto", "require", "never"):
-        config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
-    if cfg.cluster.kind not in ("auto", "local", "slurm"):
-        config_error("cluster.kind", cfg.cluster.kind, "use `cluster=auto`, `cluster=local` or `cluster=slurm`")
-    if cfg.cluster.trainer_ranks < 1:
-        config_error("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
-    for key, value, least in (("trainer.save_interval", cfg.trainer.save_interval, 0),
-                              ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1),
-                              ("cluster.max_requeues", cfg.cluster.max_requeues, 0),
-                              ("cluster.signal_delay_s", cfg.cluster.signal_delay_s, 0)):
-        if value < least:
-            config_error(key, value, f"must be >= {least}")
-    rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
-    span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
-    if cfg.mode in ("both", "explore", "serve") and rtp >= 1 and cfg.cluster.rollout_ranks % span:
-        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
-                     f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
-                     "takes one task (one GPU) per TP rank")
-    if cfg.mode in ("both", "explore", "serve") and cfg.cluster.rollout_ranks < max(span, 1):
-        config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
-                     f"need at least one vLLM engine: {max(span, 1)} rank(s) here")
-    if cfg.model.max_seq_len < 2:
-        config_error("model.max_seq_len", cfg.model.max_seq_len, "use the longest prompt + response to allow, e.g. 4096")
-    if cfg.model.dtype not in _DTYPES:
-        config_error("model.dtype", cfg.model.dtype, f"choose one of {_DTYPES}")
-    model_generated = cfg.model.tiny is not None
-    if not model_generated and not os.path.isfile(os.path.join(cfg.model.path, "config.json")):
-        config_error("model.path", cfg.model.path,
-              "not an HF model directory (no config.json); for SmolLM2-135M run "
-              "`python tools/prepare_smollm2.py` and pass `model=smollm2_135m`, or set "
-              "`model.path=/path/to/hf_model`")
-    written = {path for section in generated_data(cfg) for path in (section.data.train_path, section.data.eval_path)}
-    for name, stage in stage_configs(cfg) if cfg.mode != "serve" else ():  # serving reads no tasksets
-        prefix = f"stages[{name}]." if cfg.stages else ""
-        algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
-        if data.arithmetic is not None and data.eval_path is None:
-            config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
-                                                   "set it to a .jsonl path")
-        if data.from_env is not None:
-            _check_env_tasks(prefix, stage)
-        _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)
-        _check_file(f"{prefix}data.eval_path", data.eval_path, data.eval_path in written)
-        _check_algorithm(prefix, algo)
-        if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
-            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                         "mode=train learns from datasets only: use sft or dpo (or mode=both for RL)")
-        if cfg.mode == "explore" and not needs_rollouts(stage):
-            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                         "mode=explore only generates rollouts: a dataset stage (sft, dpo) has nothing to do")
-        if cfg.mode == "both" and algo.policy_loss == "dpo":
-            config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                         "DPO trains offline on preference pairs: run it with mode=train")
-        _check_rollout_plugins(prefix, stage)
-        _check_data_pipeline(prefix, stage)
-        if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
-            config_error(f"{prefix}algorithm.group_size", algo.group_size,
-                  f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")
-        if not 0 < algo.clip_eps < 1:
-            config_error(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
-        if algo.lr <= 0:
-            config_error(f"{prefix}algorithm.lr", algo.lr, "learning rate must be positive")
-        if trainer.max_steps < 0:
-            config_error(f"{prefix}trainer.max_steps", trainer.max_steps, "use 0 or more steps")
-        if trainer.micro_batch_size < 1:
-            config_error(f"{prefix}trainer.micro_batch_size", trainer.micro_batch_size, "use 1 or more")
-        if trainer.max_tokens_per_microbatch < 0:
-            config_error(f"{prefix}trainer.max_tokens_per_microbatch", trainer.max_tokens_per_microbatch,
-                         "use 0 (microbatches of trainer.micro_batch_size padded rows) or a token budget, e.g. 4096")
-        if trainer.lora.rank < 0:
-            config_error(f"{prefix}trainer.lora.rank", trainer.lora.rank, "use 0 (no adapters) or a rank, e.g. 16")
-        if trainer.lora.rank:
-            unknown = sorted(set(trainer.lora.target_modules) - set(LORA_TARGETS))
-            if unknown or not trainer.lora.target_modules:
-                config_error(f"{prefix}trainer.lora.target_modules", trainer.lora.target_modules,
-                             f"use some of {list(LORA_TARGETS)}")
-            if not 0 <= trainer.lora.dropout < 1:
-                config_error(f"{prefix}trainer.lora.dropout", trainer.lora.dropout, "use a value in [0, 1)")
-        if trainer.loss_scale is not None and trainer.loss_scale <= 0:
-            config_error(f"{prefix}trainer.loss_scale", trainer.loss_scale,
-                         "use a positive scale, or null for dynamic scaling with fp16 (1 with bf16/fp32)")
-        tp = trainer.tensor_parallel_size
-        if cfg.cluster.trainer_ranks % tp:
-            config_error(f"{prefix}trainer.tensor_parallel_size", tp,
-                  f"must divide cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
-        pp = trainer.pipeline_parallel_size
-        if pp < 1 or cfg.cluster.trainer_ranks % (tp * pp):
-            config_error(f"{prefix}trainer.pipeline_parallel_size", pp,
-                  f"tensor_parallel_size x pipeline_parallel_size = {tp} x {pp} must divide "
-                  f"cluster.trainer_ranks={cfg.cluster.trainer_ranks}")
-        if rollout.max_sampling_rounds < 1:
-            config_error(f"{prefix}rollout.max_sampling_rounds", rollout.max_sampling_rounds, "use 1 or more")
-        if rollout.tasks_per_step < 1:
-            config_error(f"{prefix}rollout.tasks_per_step", rollout.tasks_per_step, "use 1 or more")
-        if rollout.max_new_tokens < 1:
-            config_error(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens, "use 1 or more")
-        context = context_length(cfg.model)
-        if (needs_rollouts(stage) or data.eval_path) and rollout.max_new_tokens >= context:
-            config_error(f"{prefix}rollout.max_new_tokens", rollout.max_new_tokens,
-                         f"leaves no room for a prompt in the model's context of {context} tokens "
-                         "(model.max_seq_len, capped by max_position_embeddings); lower it")
-        if data.overlong not in OVERLONG_POLICIES:
-            config_error(f"{prefix}data.overlong", data.overlong, f"choose one of {OVERLONG_POLICIES}")
-        if rollout.tensor_parallel_size < 1:
-            config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
-        if rollout.tensor_parallel_size != cfg.rollout.tensor_parallel_size:
-            config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
-                  "the vLLM engine lives for the whole run; set rollout.tensor_parallel_size globally")
-        if (tp, pp) != (cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size):
-            config_error(f"{prefix}trainer.tensor_parallel_size/pipeline_parallel_size", (tp, pp),
-                  "the trainer's model layout lives for the whole run; set it globally")
-        if trainer.recompute not in RECOMPUTE_MODES:
-            config_error(f"{prefix}trainer.recompute", trainer.recompute, f"choose one of {RECOMPUTE_MODES}")
-        if trainer.recompute != cfg.trainer.recompute:
-            config_error(f"{prefix}trainer.recompute", trainer.recompute,
-                         "the trainer's model is built once for the run; set trainer.recompute globally")
-        if trainer.sequence_parallel != cfg.trainer.sequence_parallel:
-            config_error(f"{prefix}trainer.sequence_parallel", trainer.sequence_parallel,
-                         "the trainer's model is built once for the run; set trainer.sequence_parallel globally")
-        if trainer.sequence_parallel and tp < 2:
-            config_error(f"{prefix}trainer.sequence_parallel", True,
-                         "splits the sequence over tensor-parallel ranks: set trainer.tensor_parallel_size "
-                         "to 2 or more, or sequence_parallel=false")
-        if trainer.sequence_parallel and trainer.lora.rank:
-            config_error(f"{prefix}trainer.sequence_parallel", True,
-                         "LoRA adapters see the layers' inputs before Megatron gathers the sequence: "
-                         "set trainer.sequence_parallel=false with trainer.lora.rank > 0")
-    if cfg.sync.interval < 1:
-        config_error("sync.interval", cfg.sync.interval, "use 1 (a sync after every step) or more")
-    if cfg.sync.offset < 0:
-        config_error("sync.offset", cfg.sync.offset, "use 0 (synchronous) or more steps ahead")
-    if cfg.buffer.max_staleness is not None and cfg.buffer.max_staleness < 0:
-        config_error("buffer.max_staleness", cfg.buffer.max_staleness, "use 0 or more trainer steps, or null")
-    if cfg.buffer.stale not in ("drop", "reweight"):
-        config_error("buffer.stale", cfg.buffer.stale, "use drop or reweight")
-    _check_parallel_layout(cfg)
-    _check_judge(cfg)
-    if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
-        config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
-    if cfg.sync.bucket_mb < 1:
-        config_error("sync.bucket_mb", cfg.sync.bucket_mb, "use 1 or more MiB")
-    _check_lora_sync(cfg)
-    if cfg.sync.wire_dtype != "auto" and cfg.sync.wire_dtype not in _DTYPES:
-        config_error("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
-    if cfg.buffer.format not in ("parquet", "arrow"):
-        config_error("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
-
-
-def _check_lora_sync(cfg: RFTConfig) -> None:
-    if cfg.sync.lora not in ("merged", "adapter"):
-        config_error("sync.lora", cfg.sync.lora, "use merged (W + B A, every weight) or adapter (A and B only)")
-    if cfg.sync.lora != "adapter" or not vllm_lora_rank(cfg):
-        return
-    if cfg.sync.engine == "checkpoint":
-        config_error("sync.lora", cfg.sync.lora, "adapters travel over the weight groups (sync.engine=gloo/nccl/auto); "
-                                                 "with the checkpoint engine use sync.lora=merged")
-    if cfg.rollout.openai_api or cfg.mode == "serve":
-        config_error("sync.lora", cfg.sync.lora, "the OpenAI endpoint serves the base weights without the adapter; "
-                                                 "use sync.lora=merged with rollout.openai_api")
-    if max(s.trainer.lora.rank for _, s in stage_configs(cfg)) > VLLM_LORA_RANKS[-1]:
-        config_error("trainer.lora.rank", max(s.trainer.lora.rank for _, s in stage_configs(cfg)),
-                     f"vLLM's LoRA takes ranks up to {VLLM_LORA_RANKS[-1]}; use sync.lora=merged for larger ones")
 
 
 def sync_engine(sync: SyncConfig, on_gpu: bool) -> str:

@@ -18,7 +18,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from rft.config import RFTConfig, config_error, register_configs, validate, world_size
+from rft.config import RFTConfig, config_error, register_configs, world_size
+from rft.config_checks import validate
 from rft.runtime.run_dir import Owner
 
 register_configs()

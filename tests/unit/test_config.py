@@ -6,7 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from rft.config import RFTConfig, register_configs, stage_configs, validate
+from rft.config import RFTConfig, register_configs, stage_configs
+from rft.config_checks import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")

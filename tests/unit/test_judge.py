@@ -11,7 +11,8 @@ import time
 import pytest
 
 from rft.cluster import RankInfo, control_members
-from rft.config import JudgeConfig, validate, world_size
+from rft.config import JudgeConfig, world_size
+from rft.config_checks import validate
 from rft.explorer.judge import JudgeClient, JudgeEndpoint, JudgeError, JudgeTimeout, _JudgeHandle
 from tests.unit.test_config import compose_cfg
 

@@ -17,7 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
-from rft.config import RFTConfig, register_configs, validate
+from rft.config import RFTConfig, register_configs
+from rft.config_checks import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 FAST = settings(max_examples=40, deadline=None, database=None)

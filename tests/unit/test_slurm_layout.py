@@ -204,7 +204,7 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
 ])
 def test_rollout_tp_that_does_not_fit_its_ranks_names_the_key(tmp_path, rollout_tp, trainer_ranks, rollout_ranks,
                                                               message):
-    from rft.config import validate
+    from rft.config_checks import validate
 
     cfg = _gpu_profile(tmp_path)
     cfg.rollout.tensor_parallel_size = rollout_tp

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from rft.config import stage_configs, validate
+from rft.config import stage_configs
+from rft.config_checks import validate
 from tests.unit.test_config import compose_cfg
 
 HERE = __name__

@@ -59,6 +59,11 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
               f"must divide the model's {heads} attention heads and {kv_heads} key/value heads")
     if layers % pp:
         config_error("trainer.pipeline_parallel_size", pp, f"must divide the model's {layers} layers")
+    vpp = cfg.trainer.virtual_pipeline_stages
+    if vpp > 1 and layers % (pp * vpp):
+        config_error("trainer.virtual_pipeline_stages", vpp,
+                     f"pipeline_parallel_size x virtual_pipeline_stages = {pp} x {vpp} must divide the "
+                     f"model's {layers} layers")
     rtp = cfg.rollout.tensor_parallel_size
     if heads % rtp:
         config_error("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
@@ -387,6 +392,13 @@ def validate(cfg: RFTConfig) -> None:
         if trainer.recompute != cfg.trainer.recompute:
             config_error(f"{prefix}trainer.recompute", trainer.recompute,
                          "the trainer's model is built once for the run; set trainer.recompute globally")
+        vpp = trainer.virtual_pipeline_stages
+        if vpp != cfg.trainer.virtual_pipeline_stages:
+            config_error(f"{prefix}trainer.virtual_pipeline_stages", vpp,
+                         "the trainer's model layout lives for the whole run; set it globally")
+        if vpp < 1 or (vpp > 1 and pp < 2):
+            config_error(f"{prefix}trainer.virtual_pipeline_stages", vpp,
+                         "use 1, or 2 or more model chunks per stage with trainer.pipeline_parallel_size >= 2")
         if trainer.sequence_parallel != cfg.trainer.sequence_parallel:
             config_error(f"{prefix}trainer.sequence_parallel", trainer.sequence_parallel,
                          "the trainer's model is built once for the run; set trainer.sequence_parallel globally")

@@ -72,21 +72,26 @@ def values_of(output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
 
 def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
     """This rank's critic shard: the policy's trunk (copied) under a fresh value head."""
-    from rft.trainer.model import build_gpt_model
+    from rft.trainer.model import build_gpt_model, model_chunks
 
     granularity = policy.config.recompute_granularity  # None, "selective" or "full": the critic recomputes alike
     model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none",
                                sequence_parallel=policy.config.sequence_parallel)
-    model.real_vocab_size = None  # no vocabulary columns to mask (forward.model_forward)
-    if model.post_process:
-        param = next(model.parameters())
-        model.output_layer = ValueHead(model.config.hidden_size, param.dtype, param.device, seed,
-                                       model.config.sequence_parallel)
+    for chunk in model_chunks(model):  # the last chunk of the last stage holds the output layer
+        chunk.real_vocab_size = None  # no vocabulary columns to mask (forward.model_forward)
+        if chunk.post_process:
+            param = next(chunk.parameters())
+            chunk.output_layer = ValueHead(chunk.config.hidden_size, param.dtype, param.device, seed,
+                                           chunk.config.sequence_parallel)
     # the policy's own output layer (tied or not) is what the value head replaces
-    trunk = {k: v for k, v in policy.state_dict().items() if not k.startswith("output_layer.")}
+    trunk = {k: v for k, v in policy.state_dict().items() if not _in_output_layer(k)}
     missing, unexpected = model.load_state_dict(trunk, strict=False)
-    assert not unexpected and all(k.startswith("output_layer.") for k in missing), (missing, unexpected)
+    assert not unexpected and all(_in_output_layer(k) for k in missing), (missing, unexpected)
     return model
+
+
+def _in_output_layer(key: str) -> bool:
+    return key.startswith("output_layer.") or ".output_layer." in key  # (chunks.<v>.output_layer.)
 
 
 class Critic:

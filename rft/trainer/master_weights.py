@@ -131,7 +131,7 @@ def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
         for g in grads.values():
             dist.all_reduce(g, group=ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1 and _tied(model) and ps.is_rank_in_embedding_group():
-        tied = "embedding.word_embeddings.weight" if model.pre_process else "output_layer.weight"
+        (tied,) = [n for n in grads if n.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))]
         dist.all_reduce(grads[tied], group=ps.get_embedding_group())
 
 
@@ -161,4 +161,4 @@ def _tied(model) -> bool:
 
 
 def _counted(grads: dict[str, torch.Tensor], mirror: bool) -> Iterable[tuple[str, torch.Tensor]]:
-    return ((n, g) for n, g in grads.items() if not (mirror and n == "output_layer.weight"))
+    return ((n, g) for n, g in grads.items() if not (mirror and n.endswith("output_layer.weight")))

@@ -48,7 +48,9 @@ class MegatronOptimizer:
                  loss_scale: float | None, distributed: bool):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.ddp = _ddp(model, distributed)
+        from rft.trainer.model import model_chunks
+
+        self.ddp = [_ddp(chunk, distributed) for chunk in model_chunks(model)]  # one per virtual stage
         self.distributed = distributed
         dtype = model.config.params_dtype
         config = OptimizerConfig(
@@ -60,14 +62,15 @@ class MegatronOptimizer:
             # Megatron's default start, 2^32, skipped the first 16 steps of an fp16 run on a GPU
             initial_loss_scale=FP16_INITIAL_SCALE, loss_scale_window=FP16_GROWTH_INTERVAL, hysteresis=1,
             use_distributed_optimizer=distributed, clip_grad=0.0)
-        self.optimizer = get_megatron_optimizer(config, [self.ddp])
+        self.optimizer = get_megatron_optimizer(config, self.ddp)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     def zero_grad(self) -> None:
-        self.ddp.zero_grad_buffer()
+        for ddp in self.ddp:
+            ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -77,7 +80,7 @@ class MegatronOptimizer:
         from megatron.core.distributed import finalize_model_grads
 
         scale = float(self.optimizer.get_loss_scale())
-        finalize_model_grads([self.ddp])
+        finalize_model_grads(self.ddp)
         for opt in self._parts():
             opt.config.clip_grad = grad_clip  # the stage's algorithm.grad_clip
         stepped, grad_norm, _ = self.optimizer.step()

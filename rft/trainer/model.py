@@ -19,8 +19,9 @@ from rft.weights.hf_megatron import Geometry, padded_vocab
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_model_parallel(tp: int, seed: int, pp: int = 1) -> None:
-    """Megatron's parallel state over the already-initialised default group (trainer ranks)."""
+def init_model_parallel(tp: int, seed: int, pp: int = 1, vpp: int = 1) -> None:
+    """Megatron's parallel state over the already-initialised default group (trainer ranks);
+    `vpp` (trainer.virtual_pipeline_stages) model chunks per pipeline stage."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -28,9 +29,50 @@ def init_model_parallel(tp: int, seed: int, pp: int = 1) -> None:
 
     apply_cpu_redirects()
     if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                                 pipeline_model_parallel_size=pp)
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     model_parallel_cuda_manual_seed(seed)
+
+
+class VirtualStages(torch.nn.Module):
+    """One pipeline stage's model chunks under Megatron's virtual pipeline: with P stages and V
+    chunks each, chunk v of stage p holds the layers of virtual stage v * P + p, so a microbatch
+    crosses every stage V times and Megatron's interleaved schedule keeps the pipeline's bubble
+    1/V as long. The embedding lives in chunk 0 of the first stage, the output layer in the last
+    chunk of the last stage. Parameter names are the chunks' own under `chunks.<v>.`;
+    `model_chunks` and `named_chunks` are how the rest of the trainer walks them."""
+
+    def __init__(self, chunks: list[torch.nn.Module]):
+        super().__init__()
+        self.chunks = torch.nn.ModuleList(chunks)
+
+    @property
+    def config(self):
+        return self.chunks[0].config
+
+    @property
+    def pre_process(self) -> bool:  # this stage holds the embedding
+        return self.chunks[0].pre_process
+
+    @property
+    def post_process(self) -> bool:  # this stage holds the output layer
+        return self.chunks[-1].post_process
+
+    @property
+    def share_embeddings_and_output_weights(self) -> bool:
+        return self.chunks[0].share_embeddings_and_output_weights
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    """The GPTModel chunks a trainer model is made of: itself, or its virtual stages' chunks."""
+    return list(model.chunks) if isinstance(model, VirtualStages) else [model]
+
+
+def named_chunks(model) -> list[tuple[str, torch.nn.Module]]:
+    """(prefix of its parameter names in `model`, chunk) for each chunk."""
+    if isinstance(model, VirtualStages):
+        return [(f"chunks.{v}.", chunk) for v, chunk in enumerate(model.chunks)]
+    return [("", model)]
 
 
 def collective_device() -> torch.device:
@@ -74,8 +116,8 @@ class RMSNorm(torch.nn.RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
-def block_spec(config, qk_norm: bool):
-    """This pipeline stage's layers: Megatron's local layer spec (no Transformer Engine) with its
+def block_spec(config, qk_norm: bool, vp_stage: int | None = None):
+    """This pipeline stage's layers (of its virtual stage `vp_stage`): Megatron's local layer spec (no Transformer Engine) with its
     core attention replaced by PyTorch's fused kernels (rft/trainer/attention.py): flash attention
     on GPUs, variable-length for packed microbatches, instead of an fp32 score matrix per head;
     every norm, the final one included, is `RMSNorm`."""
@@ -90,7 +132,8 @@ def block_spec(config, qk_norm: bool):
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
     if qk_norm:
         layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
-    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config), layer_norm=RMSNorm)
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
 
 
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
@@ -104,6 +147,8 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     (trainer.sequence_parallel, TP > 1): between the tensor-parallel matmuls each TP rank holds
     [s/TP, b, h] of the hidden states, so norms, residuals and dropout cost 1/TP of the memory
     and compute; microbatches are padded to a multiple of TP (forward.sequence_multiple).
+    Under a virtual pipeline (init_model_parallel's `vpp` > 1) the model is the stage's
+    `VirtualStages`.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -119,9 +164,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     geo = Geometry.from_hf(hf)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if geo.num_layers % pp:
-        raise ValueError(f"trainer.pipeline_parallel_size={pp} does not divide the model's "
-                         f"{geo.num_layers} layers")
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    if geo.num_layers % (pp * vpp):
+        raise ValueError(f"trainer.pipeline_parallel_size x virtual_pipeline_stages = {pp} x {vpp} does not "
+                         f"divide the model's {geo.num_layers} layers")
     on_gpu = torch.cuda.is_available()
     params_dtype = _DTYPES[dtype]
     config = TransformerConfig(
@@ -143,8 +189,17 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         tensor_model_parallel_size=tp,
         sequence_parallel=sequence_parallel and tp > 1,
         pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+        # interleaved: each exchange posted on its own, even ranks sending first and odd ranks
+        # receiving first (Megatron-LM's default there). Batched, two messages between the same
+        # two stages (PP=2: the previous stage is the next) can be matched crosswise.
+        overlap_p2p_comm=vpp > 1,
+        batch_p2p_comm=vpp == 1,
         pipeline_dtype=params_dtype,
-        deallocate_pipeline_outputs=True,  # a sent output keeps only its graph until its backward
+        # a sent output keeps only its graph until its backward; on GPUs only: NCCL's stream order
+        # keeps the memory until the send is done, where gloo's unwaited send (interleaved
+        # schedule) would read freed memory
+        deallocate_pipeline_outputs=on_gpu,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,
         fp16=params_dtype == torch.float16,
@@ -161,23 +216,22 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         calculate_per_token_loss=True,
         **RECOMPUTE[recompute],
     )
-    # microbatches differ in length and rows: pipeline stages exchange shapes first. Set after
-    # construction: TransformerConfig refuses it with its default MoE token dispatcher, even
-    # in a model without experts.
-    config.variable_seq_lengths = True
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=block_spec(config, geo.qk_norm),
-        vocab_size=padded_vocab(geo.vocab_size, tp),
-        max_sequence_length=hf.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
-        parallel_output=True,
-        share_embeddings_and_output_weights=geo.tied_embeddings if tie_embeddings is None else tie_embeddings,
-        position_embedding_type="rope",
-        rotary_base=geo.rope_theta,
-    )
-    model.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
-    if on_gpu:
-        model = model.cuda()
-    return model, geo
+    tied = geo.tied_embeddings if tie_embeddings is None else tie_embeddings
+    chunks = []
+    for vp_stage in range(vpp) if vpp > 1 else [None]:
+        chunk = GPTModel(
+            config=config,
+            transformer_layer_spec=block_spec(config, geo.qk_norm, vp_stage),
+            vocab_size=padded_vocab(geo.vocab_size, tp),
+            max_sequence_length=hf.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+            parallel_output=True,
+            share_embeddings_and_output_weights=tied,
+            position_embedding_type="rope",
+            rotary_base=geo.rope_theta,
+            vp_stage=vp_stage,
+        )
+        chunk.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
+        chunks.append(chunk.cuda() if on_gpu else chunk)
+    return (chunks[0] if vpp == 1 else VirtualStages(chunks)), geo

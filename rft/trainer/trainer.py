@@ -47,7 +47,8 @@ STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is 
 def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
     """Train every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
     seed_all(cfg.seed)
-    init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size)
+    init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
+                        cfg.trainer.virtual_pipeline_stages)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
                                  sequence_parallel=cfg.trainer.sequence_parallel)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
@@ -162,7 +163,8 @@ class Learner:
         self.ref_model = None
         if (needs_rollouts(stage.cfg) and algo.kl_coef > 0) or self.is_dpo:
             # Megatron modules hold process groups, so build a twin and copy the weights rather than deepcopy
-            self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype)
+            self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype,
+                                                sequence_parallel=cfg.trainer.sequence_parallel)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.eval().requires_grad_(False)
             track("ref_model", self.ref_model, restore=stage.resumed)

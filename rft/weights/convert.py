@@ -5,7 +5,8 @@
 parameter shapes alone, so a sender can announce a sync before gathering anything; the export
 then yields one HF tensor at a time, all-gathering TP shards as it goes (a collective: every TP
 rank of the stage iterates in lockstep). Nothing holds more than one full parameter at a time.
-Pipeline stages number their layers from 0; the mapping (`hf_megatron.py`) uses global numbers.
+Pipeline stages (and virtual stages' chunks) number their layers from 0; the mapping
+(`hf_megatron.py`) uses global numbers.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ def _tp() -> tuple[int, int, object]:
             parallel_state.get_tensor_model_parallel_group())
 
 
-def _layer_offset(model) -> int:
-    layers = model.decoder.layers
+def _layer_offset(chunk) -> int:
+    layers = chunk.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0  # layer_number is global and 1-based
 
 
@@ -39,16 +40,23 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
     """This stage's parameter names -> names in the whole (unpipelined) model.
 
     A tied output layer on the last stage (PP > 1) is a copy of the first stage's embedding; it
-    maps to the embedding's name.
+    maps to the embedding's name. Under a virtual pipeline each chunk numbers its layers from 0.
     """
-    offset = _layer_offset(model)
+    from rft.trainer.model import named_chunks
+
     out = {}
-    for name, _ in model.named_parameters():
-        if name == "output_layer.weight" and geo.tied_embeddings:
-            out[name] = "embedding.word_embeddings.weight"
-            continue
-        out[name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+    for prefix, chunk in named_chunks(model):
+        offset = _layer_offset(chunk)
+        for name, _ in chunk.named_parameters():
+            if _is_tied_output(name, geo):
+                out[prefix + name] = "embedding.word_embeddings.weight"
+                continue
+            out[prefix + name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
     return out
+
+
+def _is_tied_output(name: str, geo: Geometry) -> bool:
+    return geo.tied_embeddings and name.endswith("output_layer.weight")
 
 
 def load_hf_weights(model, hf_state: dict[str, torch.Tensor], geo: Geometry) -> None:
@@ -75,9 +83,8 @@ def _exported_params(model, geo: Geometry) -> Iterator[tuple[str, str, torch.nn.
     is skipped, the first stage sends the embedding it mirrors."""
     names = global_names(model, geo)
     for name, param in model.named_parameters():
-        if name == "output_layer.weight" and geo.tied_embeddings:
-            continue
-        yield name, names[name], param
+        if not _is_tied_output(name, geo):
+            yield name, names[name], param
 
 
 def hf_table(model, geo: Geometry, wire_dtype: torch.dtype) -> TensorTable:

@@ -45,7 +45,7 @@ def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:
+def init_gloo(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1) -> None:
     """A gloo default group and Megatron's parallel state, as a trainer rank sets them up."""
     import torch.distributed as dist
 
@@ -54,7 +54,7 @@ def init_gloo(rank: int, world: int, port: int, tp: int, pp: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    init_model_parallel(tp, seed=0, pp=pp)
+    init_model_parallel(tp, seed=0, pp=pp, vpp=vpp)
 
 
 def spawn(worker, world: int, *args) -> None:

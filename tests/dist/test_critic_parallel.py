@@ -1,4 +1,4 @@
-"""PPO's critic under TP=2, PP=2 and DP=2 on gloo ranks scores and trains as on one rank (padded
+"""PPO's critic under TP=2, PP=2 (also with two virtual stages each) and DP=2 on gloo ranks scores and trains as on one rank (padded
 microbatches, and packed ones under PP and TP).
 
 A whole PPO step (train_step with a critic: values -> GAE -> policy step -> critic step) runs on
@@ -18,7 +18,8 @@ KEYS = ("critic/value_loss", "critic/vf_clipfrac", "critic/values_mean", "critic
         "loss/policy", "actor/grad_norm")
 
 
-def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str, budget: int = 0) -> None:
+def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str, budget: int = 0,
+            vpp: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -30,7 +31,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
-    init_gloo(rank, world, port, tp, pp)
+    init_gloo(rank, world, port, tp, pp, vpp)
     policy, geo = build_gpt_model(model_dir)
     load_hf_weights(policy, load_hf_state(model_dir), geo)
     algo = AlgorithmConfig(advantage="gae", policy_loss="ppo", gamma=1.0, lam=0.95, critic_lr=1e-3, value_clip=0.2,
@@ -57,8 +58,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     dist.destroy_process_group()
 
 
-def _run(world: int, tp: int, pp: int, model_dir: str, out: str, budget: int = 0) -> dict:
-    spawn(_worker, world, tp, pp, free_port(), model_dir, out, budget)
+def _run(world: int, tp: int, pp: int, model_dir: str, out: str, budget: int = 0, vpp: int = 1) -> dict:
+    spawn(_worker, world, tp, pp, free_port(), model_dir, out, budget, vpp)
     result = torch.load(out)
     result["rank0_metrics"] = torch.load(out + ".rank0")
     return result
@@ -77,13 +78,14 @@ def one_rank(models, tmp_path_factory) -> dict[str, dict]:
     return {f: _run(1, 1, 1, path, str(root / f"{f}.pt")) for f, path in models.items()}
 
 
-@pytest.mark.parametrize("family, world, tp, pp, budget", [
-    ("llama", 2, 2, 1, 0), ("llama", 2, 1, 2, 0), ("llama", 2, 1, 1, 0), ("qwen3", 2, 2, 1, 0),
-    ("llama", 2, 1, 2, 12), ("qwen3", 2, 2, 1, 12)],  # packed microbatches (12-token budget) too
-    ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen3-tp2", "llama-pp2-packed", "qwen3-tp2-packed"])
-def test_critic_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp, budget):
+@pytest.mark.parametrize("family, world, tp, pp, budget, vpp", [
+    ("llama", 2, 2, 1, 0, 1), ("llama", 2, 1, 2, 0, 1), ("llama", 2, 1, 1, 0, 1), ("qwen3", 2, 2, 1, 0, 1),
+    ("llama", 2, 1, 2, 12, 1), ("qwen3", 2, 2, 1, 12, 1),  # packed microbatches (12-token budget) too
+    ("llama", 2, 1, 2, 0, 2)],  # two virtual stages per stage: the interleaved schedule, chunked models
+    ids=["llama-tp2", "llama-pp2", "llama-dp2", "qwen3-tp2", "llama-pp2-packed", "qwen3-tp2-packed", "llama-pp2-vpp2"])
+def test_critic_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp, budget, vpp):
     one = one_rank[family]
-    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"), budget)
+    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"), budget, vpp)
     torch.testing.assert_close(par["before"], one["before"], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(par["after"], one["after"], atol=1e-5, rtol=1e-4)
     assert not torch.allclose(one["after"], one["before"])  # the critic stepped

@@ -18,7 +18,7 @@ REWARDS = [1.0, 0.0, 1.0, 0.0]
 STEPS = 3
 
 
-def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str) -> None:
+def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out: str, vpp: int = 1) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import export_hf_weights, load_hf_weights
 
-    init_gloo(rank, world, port, tp, pp)
+    init_gloo(rank, world, port, tp, pp, vpp)
     model, geo = build_gpt_model(model_dir)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -56,8 +56,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     dist.destroy_process_group()
 
 
-def _run(world: int, tp: int, pp: int, model_dir: str, out: str) -> dict:
-    spawn(_worker, world, tp, pp, free_port(), model_dir, out)
+def _run(world: int, tp: int, pp: int, model_dir: str, out: str, vpp: int = 1) -> dict:
+    spawn(_worker, world, tp, pp, free_port(), model_dir, out, vpp)
     stages = [torch.load(f) for f in sorted(glob.glob(out + ".stage*"))]
     last = stages[-1]  # the last stage computes the losses
     return {"losses": last["losses"], "base_unchanged": all(s["base_unchanged"] for s in stages),
@@ -90,12 +90,13 @@ def test_only_adapters_train_and_merging_gives_what_was_sent(one_rank):
         torch.testing.assert_close(one["merged"][name], tensor, atol=1e-6, rtol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("family, world, tp, pp", [("qwen2", 2, 2, 1), ("llama", 2, 2, 1), ("qwen2", 2, 1, 2),
-                                                   ("qwen2", 2, 1, 1)],
-                         ids=["qwen2-tp2", "llama-tp2", "qwen2-pp2", "qwen2-dp2"])
-def test_lora_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp):
+@pytest.mark.parametrize("family, world, tp, pp, vpp", [("qwen2", 2, 2, 1, 1), ("llama", 2, 2, 1, 1),
+                                                        ("qwen2", 2, 1, 2, 1), ("qwen2", 2, 1, 1, 1),
+                                                        ("llama", 2, 1, 2, 2)],
+                         ids=["qwen2-tp2", "llama-tp2", "qwen2-pp2", "qwen2-dp2", "llama-pp2-vpp2"])
+def test_lora_under_parallelism_equals_one_rank(models, one_rank, tmp_path, family, world, tp, pp, vpp):
     one = one_rank[family]
-    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"))
+    par = _run(world, tp, pp, models[family], str(tmp_path / "par.pt"), vpp)
     assert par["base_unchanged"]
     assert par["losses"] == pytest.approx(one["losses"], rel=1e-4, abs=1e-6)
     assert par["sent"].keys() == one["sent"].keys()

@@ -114,6 +114,9 @@ def test_generated_arithmetic_needs_an_eval_path(tmp_path):
     (["sync.engine=rdma"], "sync.engine", "gloo"),
     (["sync.wire_dtype=int4"], "sync.wire_dtype", "bfloat16"),
     (["trainer.sequence_parallel=true"], "trainer.sequence_parallel", "tensor_parallel_size to 2 or more"),
+    (["cluster.trainer_ranks=2", "trainer.pipeline_parallel_size=2", "trainer.virtual_pipeline_stages=2"],
+     "trainer.virtual_pipeline_stages", "2 x 2 must divide the model's 30 layers"),
+    (["trainer.virtual_pipeline_stages=3"], "trainer.virtual_pipeline_stages", "pipeline_parallel_size >= 2"),
     (["trainer.sequence_parallel=true", "cluster.trainer_ranks=3", "trainer.tensor_parallel_size=3",
       "trainer.lora.rank=8"], "trainer.sequence_parallel", "sequence_parallel=false with trainer.lora.rank"),
 ])

@@ -117,10 +117,10 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def block_spec(config, qk_norm: bool, vp_stage: int | None = None):
-    """This pipeline stage's layers (of its virtual stage `vp_stage`): Megatron's local layer spec (no Transformer Engine) with its
-    core attention replaced by PyTorch's fused kernels (rft/trainer/attention.py): flash attention
-    on GPUs, variable-length for packed microbatches, instead of an fp32 score matrix per head;
-    every norm, the final one included, is `RMSNorm`."""
+    """This pipeline stage's layers (of its virtual stage `vp_stage`): Megatron's local layer spec
+    (no Transformer Engine) with its core attention replaced by PyTorch's fused kernels
+    (rft/trainer/attention.py): flash attention on GPUs, variable-length for packed microbatches,
+    instead of an fp32 score matrix per head; every norm, the final one included, is `RMSNorm`."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
@@ -216,6 +216,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         calculate_per_token_loss=True,
         **RECOMPUTE[recompute],
     )
+    # microbatches differ in length and rows: pipeline stages send a shape before each hidden
+    # state. Set after construction: TransformerConfig refuses it with its default MoE token
+    # dispatcher, even in a model without experts.
+    config.variable_seq_lengths = True
     tied = geo.tied_embeddings if tie_embeddings is None else tie_embeddings
     chunks = []
     for vp_stage in range(vpp) if vpp > 1 else [None]:

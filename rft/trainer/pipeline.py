@@ -5,7 +5,7 @@ megatron-core's non-interleaved 1F1B schedule (`get_forward_backward_func`): sta
 runs P - s - 1 forwards (warm-up), then alternates one forward and one backward, then finishes the
 backwards left, so it holds the activations of at most P - s microbatches at once. Hidden states
 [s, b, h] ([s/TP, b, h] sequence-parallel) and their gradients travel by Megatron's p2p
-communicator, padded to the largest microbatch's shape (`_megatron_schedule`).
+communicator, shapes first (`variable_seq_lengths`: rft's microbatches differ in length and rows).
 With trainer.virtual_pipeline_stages = V > 1 each stage holds V model chunks and Megatron's
 interleaved 1F1B schedule runs them. On CPU the schedules run on gloo with two redirects
 (rft/trainer/cpu_compat.py), so the tests here run the code GPUs run.
@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward
 
@@ -60,14 +59,9 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
     accumulate in the parameters); without, forward only. Returns, on the last stage, what each
     microbatch's loss function gave back (forward only: its head's output), in order.
 
-    Stages exchange hidden states of one fixed shape, the largest microbatch's: a chunk pads what
-    it sends and crops what it receives to its microbatch (the padding's gradient is 0), so the
-    model computes nothing extra and no stage waits for a shape first. (Megatron's
-    `variable_seq_lengths` exchanges shapes before each tensor instead; its interleaved schedule
-    then pairs a gradient with the wrong microbatch's shape.) Under a virtual pipeline the
-    interleaved schedule takes microbatches in groups of P: a count that is not a multiple of P
-    (or is below P) is topped up with copies of the smallest microbatch, whose loss is 0 and
-    whose output is dropped."""
+    Under a virtual pipeline the interleaved schedule takes microbatches in groups of P: a count
+    that is not a multiple of P (or is below P) is topped up with copies of the smallest
+    microbatch, whose loss is 0 and whose output is dropped."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -80,20 +74,10 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
         pp = ps.get_pipeline_model_parallel_world_size()
         smallest = min(mbs, key=lambda mb: mb.input_ids.numel())
         mbs = mbs + [smallest] * (max(pp - real, (-real) % pp))
-    config = chunks[0].config
-    per_rank = config.tensor_model_parallel_size if config.sequence_parallel else 1  # sequence slice per TP rank
-    rows = max(mb.input_ids.shape[0] for mb in mbs)
-    length = max(mb.input_ids.shape[1] for mb in mbs)
 
     def forward_step(data: Iterator[tuple[int, Microbatch]], chunk):
-        m, mb = next(data)
-        b, s = mb.input_ids.shape[0], mb.input_ids.shape[1] // per_rank
-        received = chunk.decoder.input_tensor  # set by Megatron on all but the pipeline's first chunk
-        if received is not None:
-            chunk.decoder.input_tensor = received[:s, :b]
+        m, mb = next(data)  # Megatron has already set a later chunk's input (set_input_tensor)
         output = _run_model(chunk, mb, head)
-        if not chunk.post_process:
-            output = F.pad(output, (0, 0, 0, rows - b, 0, length // per_rank - s))
 
         def finish(out: torch.Tensor, non_loss_data: bool = False):
             if non_loss_data:
@@ -108,7 +92,9 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
     with cuda_tensors_on_cpu():
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
-            num_microbatches=len(mbs), seq_length=length, micro_batch_size=rows,
+            # shapes travel with each message (variable_seq_lengths): these two are not read
+            num_microbatches=len(mbs), seq_length=mbs[0].input_ids.shape[1],
+            micro_batch_size=mbs[0].input_ids.shape[0],
             forward_only=loss_fn is None, collect_non_loss_data=loss_fn is None)
     return out[:real]
 

@@ -81,3 +81,22 @@ class LiveActivations:
                 counter.live -= self.bytes
 
         return torch.autograd.graph.saved_tensors_hooks(Saved, lambda saved: saved.tensor)
+
+
+def hf_grads(model, geo) -> dict[str, torch.Tensor]:
+    """This stage's gradients after the optimizer's sums (over TP for norms, a tied embedding's two
+    copies), HF-named and TP-gathered through the weights' exporter."""
+    from rft.trainer.master_weights import sync_grads
+    from rft.weights.convert import export_hf_weights
+
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    sync_grads(model, grads)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(grads[n])
+        # cloned: at TP=1 an exported tensor can be a view of the parameter, restored below
+        out = {name: t.clone() for name, t in export_hf_weights(model, geo)}
+        for n, p in model.named_parameters():
+            p.copy_(weights[n])
+    return out

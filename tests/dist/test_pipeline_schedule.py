@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from dist_models import LiveActivations, create_family_model, free_port, init_gloo, spawn
+from dist_models import LiveActivations, create_family_model, free_port, hf_grads, init_gloo, spawn
 
 MICROBATCHES = 8
 ODD = 3  # no multiple of two stages: the interleaved schedule tops it up with a filler
@@ -35,25 +35,6 @@ def _loss(m, mb, logprobs, _entropy):
     return (logprobs * mb.loss_mask * torch.linspace(-1.0, 1.0, logprobs.shape[-1])).sum() * (m + 1)
 
 
-def _hf_grads(model, geo) -> dict[str, torch.Tensor]:
-    """The gradients, HF-named through the weights' exporter, after the optimizer's sums (a tied
-    embedding's two copies)."""
-    from rft.trainer.master_weights import sync_grads
-    from rft.weights.convert import export_hf_weights
-
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    sync_grads(model, grads)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(grads[n])
-        # cloned: at TP=1 an exported tensor can be a view of the parameter, restored below
-        grads = {n: t.clone() for n, t in export_hf_weights(model, geo)}
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return grads
-
-
 def _worker(rank: int, world: int, pp: int, vpp: int, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -69,12 +50,12 @@ def _worker(rank: int, world: int, pp: int, vpp: int, port: int, model_dir: str,
     for packed in (False, True):
         model.zero_grad()
         forward_backward(model, _microbatches(same_shape=False, packed=packed), _loss, with_entropy=False)
-        result[f"grads_packed{packed}"] = _hf_grads(model, geo)
+        result[f"grads_packed{packed}"] = hf_grads(model, geo)
     # a count that is no multiple of the stages (the interleaved schedule's fillers)
     odd = _microbatches(same_shape=False, packed=False)[:ODD]
     model.zero_grad()
     forward_backward(model, odd, _loss, with_entropy=False)
-    result["grads_odd"] = _hf_grads(model, geo)
+    result["grads_odd"] = hf_grads(model, geo)
     result["logprobs_odd"] = forward_logprobs_pipelined(model, odd)
     same = _microbatches(same_shape=True, packed=False)
     for count in (1, MICROBATCHES) if vpp == 1 else ():

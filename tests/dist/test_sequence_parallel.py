@@ -7,7 +7,7 @@ import os
 
 import pytest
 import torch
-from dist_models import LiveActivations, create_family_model, free_port, init_gloo, spawn
+from dist_models import LiveActivations, create_family_model, free_port, hf_grads, init_gloo, spawn
 
 LAYOUTS = {"qwen3": [(1, 1, False), (2, 1, True)],  # q/k norms: summed over TP once, not twice
            "llama": [(1, 1, False), (2, 2, True)]}  # tied embedding across two stages
@@ -41,23 +41,6 @@ def _critic_loss(m, mb, values):
     return (values * _weights(mb, values.shape[-1])).sum() * (m + 1)
 
 
-def _hf_grads(model, geo) -> dict[str, torch.Tensor]:
-    """This stage's gradients (summed over TP where Megatron's DDP would), HF-named and TP-gathered."""
-    from rft.trainer.master_weights import sync_grads
-    from rft.weights.convert import export_hf_weights
-
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    sync_grads(model, grads)
-    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            p.copy_(grads[n])
-        out = {name: t.clone() for name, t in export_hf_weights(model, geo)}  # views of the parameters at TP=1
-        for n, p in model.named_parameters():
-            p.copy_(weights[n])
-    return out
-
-
 def _worker(rank: int, world: int, tp: int, pp: int, sp: bool, port: int, model_dir: str, out_dir: str) -> None:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -82,7 +65,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, sp: bool, port: int, model_
         mbs = _microbatches(multiple, packed)
         model.zero_grad()
         forward_backward(model, mbs, _policy_loss)
-        result[f"policy{packed}"] = _hf_grads(model, geo)
+        result[f"policy{packed}"] = hf_grads(model, geo)
         critic.zero_grad()
         forward_backward(critic, mbs, _critic_loss, head=values_head)
         result[f"critic_head{packed}"] = {n: p.grad.clone() for n, p in critic.named_parameters()

@@ -55,24 +55,21 @@ class VirtualStages(torch.nn.Module):
         return self.chunks[0].pre_process
 
     @property
-    def post_process(self) -> bool:  # this stage holds the output layer
-        return self.chunks[-1].post_process
-
-    @property
     def share_embeddings_and_output_weights(self) -> bool:
         return self.chunks[0].share_embeddings_and_output_weights
 
 
-def model_chunks(model) -> list[torch.nn.Module]:
-    """The GPTModel chunks a trainer model is made of: itself, or its virtual stages' chunks."""
-    return list(model.chunks) if isinstance(model, VirtualStages) else [model]
-
-
 def named_chunks(model) -> list[tuple[str, torch.nn.Module]]:
-    """(prefix of its parameter names in `model`, chunk) for each chunk."""
+    """(prefix of its parameter names in `model`, chunk) for each GPTModel chunk a trainer model is
+    made of: itself, or its virtual stages' chunks."""
     if isinstance(model, VirtualStages):
         return [(f"chunks.{v}.", chunk) for v, chunk in enumerate(model.chunks)]
     return [("", model)]
+
+
+def model_chunks(model) -> list[torch.nn.Module]:
+    """The GPTModel chunks a trainer model is made of (`named_chunks` without the prefixes)."""
+    return [chunk for _, chunk in named_chunks(model)]
 
 
 def collective_device() -> torch.device:

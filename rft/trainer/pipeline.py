@@ -68,6 +68,8 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
     from rft.trainer.cpu_compat import cuda_tensors_on_cpu
     from rft.trainer.model import model_chunks
 
+    if not mbs:
+        return []
     chunks = model_chunks(model)
     real = len(mbs)
     if len(chunks) > 1:
@@ -110,8 +112,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
         for m, mb in enumerate(mbs):
             loss_fn(m, mb, *head(_run_model(model, mb, head), mb)).backward()
         return
-    if mbs:
-        _megatron_schedule(model, mbs, head, loss_fn)
+    _megatron_schedule(model, mbs, head, loss_fn)
 
 
 def forward_logprobs_pipelined(model, mbs: list[Microbatch]) -> list[torch.Tensor] | None:
@@ -128,5 +129,5 @@ def forward_pipelined(model, mbs: list[Microbatch], head: Callable[[torch.Tensor
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return [head(_run_model(model, mb, head), mb) for mb in mbs]
-    out = _megatron_schedule(model, mbs, head, None) if mbs else []
+    out = _megatron_schedule(model, mbs, head, None)
     return out if ps.is_pipeline_last_stage() else None

@@ -206,6 +206,7 @@ class TrainerConfig:
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
     recompute: str = "none"  # none | selective (core attention) | full (every layer): activations redone in backward
     sequence_parallel: bool = False  # with TP > 1: norms and residuals hold 1/TP of the sequence each (Megatron's SP)
+    transformer_impl: str = "auto"  # auto (Transformer Engine on GPUs where it imports, without LoRA) | local | transformer_engine
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end
 
 
@@ -343,6 +344,11 @@ def register_configs() -> None:
 def adapter_sync(stage: RFTConfig) -> bool:
     """A LoRA stage whose syncs send the adapters to vLLM's LoRA support (sync.lora=adapter)."""
     return stage.trainer.lora.rank > 0 and stage.sync.lora == "adapter"
+
+
+def trains_lora(cfg: RFTConfig) -> bool:
+    """Some stage trains LoRA adapters (the trainer's model then needs the local layer spec)."""
+    return any(s.trainer.lora.rank > 0 for _, s in stage_configs(cfg))
 
 
 def vllm_lora_rank(cfg: RFTConfig) -> int:

@@ -20,6 +20,9 @@ from rft.config import (LORA_TARGETS, LR_DECAYS, VLLM_LORA_RANKS, AlgorithmConfi
                         stage_configs, vllm_lora_rank)
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
+TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")  # trainer.transformer_impl (rft/trainer/layer_spec.py)
+# what build_gpt_model builds once for the whole run: a stage may not change them
+RUN_WIDE_TRAINER_KEYS = ("recompute", "virtual_pipeline_stages", "sequence_parallel", "transformer_impl")
 
 
 OVERLONG_POLICIES = ("skip", "truncate_left", "error")  # data.overlong (rft/data/context_fit.py)
@@ -389,19 +392,14 @@ def validate(cfg: RFTConfig) -> None:
                   "the trainer's model layout lives for the whole run; set it globally")
         if trainer.recompute not in RECOMPUTE_MODES:
             config_error(f"{prefix}trainer.recompute", trainer.recompute, f"choose one of {RECOMPUTE_MODES}")
-        if trainer.recompute != cfg.trainer.recompute:
-            config_error(f"{prefix}trainer.recompute", trainer.recompute,
-                         "the trainer's model is built once for the run; set trainer.recompute globally")
+        for key in RUN_WIDE_TRAINER_KEYS:
+            if getattr(trainer, key) != getattr(cfg.trainer, key):
+                config_error(f"{prefix}trainer.{key}", getattr(trainer, key),
+                             f"the trainer's model is built once for the run; set trainer.{key} globally")
         vpp = trainer.virtual_pipeline_stages
-        if vpp != cfg.trainer.virtual_pipeline_stages:
-            config_error(f"{prefix}trainer.virtual_pipeline_stages", vpp,
-                         "the trainer's model layout lives for the whole run; set it globally")
         if vpp < 1 or (vpp > 1 and pp < 2):
             config_error(f"{prefix}trainer.virtual_pipeline_stages", vpp,
                          "use 1, or 2 or more model chunks per stage with trainer.pipeline_parallel_size >= 2")
-        if trainer.sequence_parallel != cfg.trainer.sequence_parallel:
-            config_error(f"{prefix}trainer.sequence_parallel", trainer.sequence_parallel,
-                         "the trainer's model is built once for the run; set trainer.sequence_parallel globally")
         if trainer.sequence_parallel and tp < 2:
             config_error(f"{prefix}trainer.sequence_parallel", True,
                          "splits the sequence over tensor-parallel ranks: set trainer.tensor_parallel_size "
@@ -410,6 +408,14 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}trainer.sequence_parallel", True,
                          "LoRA adapters see the layers' inputs before Megatron gathers the sequence: "
                          "set trainer.sequence_parallel=false with trainer.lora.rank > 0")
+        if trainer.transformer_impl not in TRANSFORMER_IMPLS:
+            config_error(f"{prefix}trainer.transformer_impl", trainer.transformer_impl,
+                         f"choose one of {TRANSFORMER_IMPLS}")
+        if trainer.lora.rank and cfg.trainer.transformer_impl == "transformer_engine":
+            config_error("trainer.transformer_impl", "transformer_engine",
+                         f"{prefix}trainer.lora.rank > 0 needs the local layers: Transformer Engine fuses "
+                         "each norm into the linear an adapter wraps, which would see the input before "
+                         "its norm. Set trainer.transformer_impl=auto or local")
     if cfg.sync.interval < 1:
         config_error("sync.interval", cfg.sync.interval, "use 1 (a sync after every step) or more")
     if cfg.sync.offset < 0:
@@ -419,6 +425,7 @@ def validate(cfg: RFTConfig) -> None:
     if cfg.buffer.stale not in ("drop", "reweight"):
         config_error("buffer.stale", cfg.buffer.stale, "use drop or reweight")
     _check_parallel_layout(cfg)
+    _check_transformer_engine(cfg)
     _check_judge(cfg)
     if cfg.sync.engine not in ("auto", "nccl", "gloo", "checkpoint"):
         config_error("sync.engine", cfg.sync.engine, "choose auto, nccl, gloo or checkpoint")
@@ -429,6 +436,23 @@ def validate(cfg: RFTConfig) -> None:
         config_error("sync.wire_dtype", cfg.sync.wire_dtype, f"use auto or one of {_DTYPES}")
     if cfg.buffer.format not in ("parquet", "arrow"):
         config_error("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
+
+
+def _check_transformer_engine(cfg: RFTConfig) -> None:
+    """Transformer Engine's layers run on GPUs only: refused before any rank starts without one.
+    (Whether `transformer_engine` imports is the ranks' matter: a login node may lack it.)"""
+    if cfg.trainer.transformer_impl != "transformer_engine":
+        return
+    fix = "or set trainer.transformer_impl=auto (Transformer Engine where it can run) or local"
+    if cfg.cluster.kind == "slurm" and cfg.cluster.gpus_per_node == 0:
+        config_error("trainer.transformer_impl", "transformer_engine", "Transformer Engine runs on GPUs and "
+                     f"this job's nodes get none (cluster.gpus_per_node=0): pick a GPU partition, {fix}")
+    if cfg.cluster.kind == "local":
+        import torch
+
+        if not torch.cuda.is_available():
+            config_error("trainer.transformer_impl", "transformer_engine",
+                         f"Transformer Engine runs on GPUs and this machine has none: run on a GPU node, {fix}")
 
 
 def _check_lora_sync(cfg: RFTConfig) -> None:

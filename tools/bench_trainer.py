@@ -2,7 +2,7 @@
 
     python tools/bench_trainer.py [--model tiny|smollm2_135m|PATH|tools/configs/qwen2_0.5b.json]
         [--dtype bfloat16] [--rows 64] [--prompt-len 128] [--response-len 384] [--budget 8192]
-        [--micro-batch 8] [--steps 5] [--peak-tflops 989] [--recompute none]
+        [--micro-batch 8] [--steps 5] [--peak-tflops 989] [--recompute none] [--transformer-impl auto]
 
 The GPU path's truth (rft/trainer/optimizer.py, megatron_optimizer.py): on CUDA the step runs
 megatron-core's DDP and optimizer with fp32 master weights, the model in `--dtype`; on CPU the
@@ -58,12 +58,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0 if torch.cuda.is_available() else 0.0)
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
+    parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
+                        help="trainer.transformer_impl: auto = Transformer Engine where it imports on a GPU")
     args = parser.parse_args()
 
     import torch.distributed as dist
 
     from rft.cluster import free_port
     from rft.config import AlgorithmConfig
+    from rft.trainer.layer_spec import resolve_transformer_impl
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import train_step
@@ -74,7 +77,8 @@ def main() -> None:
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
     init_model_parallel(1, seed=0)
     model_dir = resolve_model(args.model, tempfile.mkdtemp(prefix="bench_trainer_"))
-    model, geo = build_gpt_model(model_dir, args.dtype, recompute=args.recompute)
+    layers = resolve_transformer_impl(args.transformer_impl, lora=False)
+    model, geo = build_gpt_model(model_dir, args.dtype, recompute=args.recompute, transformer_impl=layers)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, lr=1e-6)
@@ -100,7 +104,8 @@ def main() -> None:
     print(json.dumps({
         "model": args.model, "params": params, "dtype": args.dtype, "device": "cuda" if on_gpu else "cpu",
         "optimizer": type(optimizer).__name__, "rows": args.rows, "tokens_per_step": tokens, "budget": args.budget,
-        "recompute": args.recompute, "step_s": step_s, "tokens_per_s": tokens / step_s, "model_tflops": tflops,
+        "recompute": args.recompute, "layers": layers, "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
         "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}))
 

@@ -76,7 +76,8 @@ def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
 
     granularity = policy.config.recompute_granularity  # None, "selective" or "full": the critic recomputes alike
     model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none",
-                               sequence_parallel=policy.config.sequence_parallel)
+                               sequence_parallel=policy.config.sequence_parallel,
+                               transformer_impl=policy.config.transformer_impl)
     for chunk in model_chunks(model):  # the last chunk of the last stage holds the output layer
         chunk.real_vocab_size = None  # no vocabulary columns to mask (forward.model_forward)
         if chunk.post_process:

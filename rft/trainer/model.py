@@ -2,8 +2,8 @@
 
 Weights move in and out through `rft/weights/convert.py`.
 
-The trainer's model is Megatron's own `GPTModel` with the local (non-Transformer-Engine) layer
-spec, so the same code runs on CPU (gloo, see cpu_compat.py) and on GPUs. With
+The trainer's model is Megatron's own `GPTModel`, with the local layer spec, which runs on CPU
+(gloo, see cpu_compat.py) and on GPUs, or Transformer Engine's on GPUs (layer_spec.py). With
 trainer.sequence_parallel the norms and residuals between TP matmuls hold [s/TP, b, h].
 """
 
@@ -14,6 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from rft.trainer.layer_spec import block_spec, fused_kernel_flags
 from rft.weights.hf_megatron import Geometry, padded_vocab
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -102,39 +103,8 @@ RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations re
 }
 
 
-class RMSNorm(torch.nn.RMSNorm):
-    """PyTorch's RMSNorm, which Megatron's local spec builds (WrappedTorchNorm) but refuses under
-    sequence parallelism only because it does not mark its weight: marked here, as Megatron's own
-    fused norms do, so that the weight's gradient, from 1/TP of the sequence on each TP rank, is
-    summed over TP (master_weights.sync_grads; Megatron's DDP on CUDA)."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = config.sequence_parallel
-
-
-def block_spec(config, qk_norm: bool, vp_stage: int | None = None):
-    """This pipeline stage's layers (of its virtual stage `vp_stage`): Megatron's local layer spec
-    (no Transformer Engine) with its core attention replaced by PyTorch's fused kernels
-    (rft/trainer/attention.py): flash attention on GPUs, variable-length for packed microbatches,
-    instead of an fp32 score matrix per head; every norm, the final one included, is `RMSNorm`."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
-
-    from rft.trainer.attention import FusedCoreAttention
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
-    layer = spec.submodules
-    layer.self_attention.submodules.core_attention = FusedCoreAttention
-    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
-    if qk_norm:
-        layer.self_attention.submodules.q_layernorm = layer.self_attention.submodules.k_layernorm = RMSNorm
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
-
-
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
-                    recompute: str = "none", sequence_parallel: bool = False):
+                    recompute: str = "none", sequence_parallel: bool = False, transformer_impl: str = "local"):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
 
     `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
@@ -145,7 +115,8 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     [s/TP, b, h] of the hidden states, so norms, residuals and dropout cost 1/TP of the memory
     and compute; microbatches are padded to a multiple of TP (forward.sequence_multiple).
     Under a virtual pipeline (init_model_parallel's `vpp` > 1) the model is the stage's
-    `VirtualStages`.
+    `VirtualStages`. `transformer_impl`: the layers, `local` or `transformer_engine`
+    (layer_spec.resolve_transformer_impl turns trainer.transformer_impl into one of them).
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -202,12 +173,8 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # HF weights are loaded right after
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
+        transformer_impl=transformer_impl,
+        **fused_kernel_flags(transformer_impl),
         # losses are normalised by the whole batch's token count (train_step.py): Megatron's DDP
         # must sum gradients over DP replicas, not average them
         calculate_per_token_loss=True,

@@ -14,6 +14,7 @@ import os
 import time
 from dataclasses import replace
 
+import torch
 
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
@@ -25,7 +26,7 @@ from rft.data.taskset import read_stage_tasks, row_scalars
 from rft import faults
 from rft.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
 from rft.cluster import RankInfo, engine_leaders, losable_members
-from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs
+from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs, trains_lora
 from rft.monitor import progress_path, write_json_atomic
 from rft.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage
@@ -34,6 +35,7 @@ from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_bat
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.lora import LoRA
+from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
@@ -49,11 +51,15 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
                         cfg.trainer.virtual_pipeline_stages)
+    layers = resolve_transformer_impl(cfg.trainer.transformer_impl, trains_lora(cfg))
+    if info.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
+        print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, trains_lora(cfg))}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
-                                 sequence_parallel=cfg.trainer.sequence_parallel)
+                                 sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, info, group, stop, resume, f"trainer{info.rank}", monitor=info.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
+    check_saved_layers((runtime.state.saved or {}).get("model"), layers)
     runtime.state.track("model", model)
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, info, geo))
     add_checkpoint_hooks(cfg, info, runtime, model, publisher)
@@ -164,7 +170,8 @@ class Learner:
         if (needs_rollouts(stage.cfg) and algo.kl_coef > 0) or self.is_dpo:
             # Megatron modules hold process groups, so build a twin and copy the weights rather than deepcopy
             self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype,
-                                                sequence_parallel=cfg.trainer.sequence_parallel)
+                                                sequence_parallel=cfg.trainer.sequence_parallel,
+                                                transformer_impl=self.model.config.transformer_impl)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.eval().requires_grad_(False)
             track("ref_model", self.ref_model, restore=stage.resumed)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rft.weights.hf_megatron import Geometry, hf_to_megatron_full, megatron_full_to_hf, tp_split_dim
+from rft.weights.hf_megatron import Geometry, hf_to_megatron_full, local_spec_name, megatron_full_to_hf, tp_split_dim
 from rft.weights.transfer import TensorTable
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -41,6 +41,7 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
 
     A tied output layer on the last stage (PP > 1) is a copy of the first stage's embedding; it
     maps to the embedding's name. Under a virtual pipeline each chunk numbers its layers from 0.
+    Transformer Engine's fused norms get the local layer spec's names.
     """
     from rft.trainer.model import named_chunks
 
@@ -51,7 +52,8 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
             if _is_tied_output(name, geo):
                 out[prefix + name] = "embedding.word_embeddings.weight"
                 continue
-            out[prefix + name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", name)
+            out[prefix + name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.",
+                                            local_spec_name(name))
     return out
 
 

@@ -1,4 +1,4 @@
-"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 / Qwen3 models (local layer spec).
+"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 / Qwen3 models.
 
 Layouts that differ:
   - QKV is one fused `linear_qkv` in Megatron, ordered per query group: for each KV head g,
@@ -7,6 +7,9 @@ Layouts that differ:
     [gate_r; up_r], so the full tensor is *not* a plain concatenation when TP > 1.
   - Megatron pads the vocabulary to a multiple of TP; HF tensors carry the real vocabulary.
   - Qwen3's per-head q/k RMSNorms are Megatron's `q_layernorm` / `k_layernorm` (replicated).
+  - Transformer Engine's layer spec fuses each pre-norm into the linear after it: its weight is
+    `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, mapped as the local spec's
+    `input_layernorm` / `pre_mlp_layernorm` (`local_spec_name`).
   - Under pipeline parallelism a stage numbers its layers from 0; names here use global layer
     numbers, and `rft/weights/convert.py` translates.
 Megatron-Bridge does this mapping too, but it does not install on Python 3.11 with
@@ -96,6 +99,20 @@ _TP_DIM = {
     "mlp.linear_fc1.weight": 0,
     "mlp.linear_fc2.weight": 1,
 }
+
+
+_TE_FUSED_NORMS = {  # Transformer Engine's name -> the local layer spec's
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+
+
+def local_spec_name(megatron_name: str) -> str:
+    """The local layer spec's name for a parameter of either spec (the mapping below uses those)."""
+    for te_suffix, local_suffix in _TE_FUSED_NORMS.items():
+        if megatron_name.endswith("." + te_suffix):
+            return megatron_name[: -len(te_suffix)] + local_suffix
+    return megatron_name
 
 
 def tp_split_dim(megatron_name: str) -> int | None:

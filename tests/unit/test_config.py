@@ -3,6 +3,7 @@
 import os
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
@@ -129,6 +130,27 @@ def test_parallel_layout_must_fit_the_model(tmp_path, overrides, key, says):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:
         validate(cfg)
     assert says in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (["trainer.transformer_impl=te"], "trainer.transformer_impl", "choose one of ('auto', 'local', 'transformer_engine')"),
+    (["trainer.transformer_impl=transformer_engine", "+stages.1.trainer.lora.rank=8"], "trainer.transformer_impl",
+     "stages[grpo].trainer.lora.rank > 0 needs the local layers"),
+    (["+stages.1.trainer.transformer_impl=local"], "stages[grpo].trainer.transformer_impl",
+     "set trainer.transformer_impl globally"),
+    (["trainer.transformer_impl=transformer_engine", "cluster.kind=slurm", "cluster.gpus_per_node=0"],
+     "trainer.transformer_impl", "this job's nodes get none (cluster.gpus_per_node=0)"),
+    pytest.param(["trainer.transformer_impl=transformer_engine", "cluster.kind=local"], "trainer.transformer_impl",
+                 "this machine has none", marks=pytest.mark.skipif(torch.cuda.is_available(), reason="needs no GPU")),
+])
+def test_transformer_impl_choices_that_cannot_run_are_refused(tmp_path, overrides, key, says):
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", *overrides)
+    with pytest.raises(ValueError, match=key.replace(".", r"\.").replace("[", r"\[")) as err:
+        validate(cfg)
+    assert says in str(err.value)
+    if "lora" not in says:  # the same run with the default layers is fine
+        validate(compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}",
+                             *(o for o in overrides if "transformer_impl" not in o)))
 
 
 def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_path):

@@ -15,7 +15,11 @@ rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM 
 a GRPO stage of `--steps` steps (trailing arguments are further launcher overrides, e.g.
 `sync.offset=1 trainer.threads=1`); each step's split into rollout (generation and reward), train,
 sync (the trainer's send and vLLM's load), buffer I/O and other comes from the ranks' metrics, as in
-tools/bench_quickstart.py. TRL, when `import trl` works: `GRPOTrainer` with its default HF
+tools/bench_quickstart.py, and so do the trainer's tokens/s, model TFLOP/s and MFU (`rft_mfu`: bf16
+on a GPU rft knows the peak of). On a GPU node this is the GRPO job's truth: e.g.
+`--model /path/to/Qwen2.5-0.5B-Instruct --no-trl --max-new 256 model.dtype=bfloat16
+trainer.max_tokens_per_microbatch=16384` prints step, rollout, train and sync seconds, tokens/s and
+MFU as JSON. TRL, when `import trl` works: `GRPOTrainer` with its default HF
 generation (`use_vllm=False`) on the same prompts, group size, lengths, learning rate and loss
 (token-mean, no KL), fp32 without gradient checkpointing (TRL 1.x defaults to bf16 and recompute),
 every prompt of a step in one generation batch and one optimizer step, timed
@@ -75,6 +79,15 @@ def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[tuple[int, dic
                       ("train/rows_skipped", "rows of advantage 0 not forwarded")):
         print(f"rft {what}, by step:", " ".join(f"{r[key]:.1f}" for r in rows if key in r), flush=True)
     return step_splits(out)
+
+
+def trainer_perf(run_dir: str) -> dict[str, float]:
+    """Medians over the GRPO steps after the first of trainer rank 0's throughput: tokens/s, model
+    TFLOP/s and MFU (bf16 on a known GPU; rft/trainer/flops.py)."""
+    rows = [r for r in read_jsonl(os.path.join(run_dir, "metrics", "trainer0.jsonl")) if "perf/model_tflops" in r][1:]
+    keys = ("perf/train_tokens_per_s", "perf/model_tflops", "perf/mfu")
+    return {f"rft_{key.split('/')[1]}": statistics.median(r[key] for r in rows)
+            for key in keys if rows and all(key in r for r in rows)}
 
 
 def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> list[float] | None:
@@ -162,6 +175,7 @@ def main() -> None:
         print_splits(splits, label="rft step", digits=2)
         rows = [row for _, row in splits]
         result.update({f"rft_{k}": statistics.median(row[k] for row in rows) for k in rows[0]})
+        result.update(trainer_perf(os.path.join(out, "rft")))
     trl = None if args.no_trl else trl_steps(model_dir, tasks, args, os.path.join(out, "trl"))
     if trl is None and not args.no_trl:
         print("TRL is not importable here: `pip install trl datasets` next to rft to compare", flush=True)

@@ -12,6 +12,7 @@ import torch
 
 from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
+from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.pipeline import forward_logprobs_pipelined
 from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
@@ -52,4 +53,6 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
     metrics["loss/policy"] = metrics["loss/dpo"]
     metrics.update(step_scalars(result))
     metrics["train/tokens"] = float(sum(len(r) for r in batch.response_ids))
+    tokens = sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for chunk in chunks for i in chunk)
+    metrics["train/model_flops"] = float(parameter_count(model) * (FORWARD + FORWARD_BACKWARD) * tokens)  # reference + policy
     return metrics

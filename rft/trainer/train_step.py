@@ -31,6 +31,7 @@ from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
 from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
+from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import mini_batch_rows, microbatches, mini_batches
 from rft.trainer.model import collective_device
@@ -286,10 +287,29 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     metrics["actor/step_skipped"] = sum(d["actor/step_skipped"] for d in done)
     metrics["train/tokens"] = _global_counts(batch, rows, dp_group, dp_size)[0]  # the batch's, once
     metrics["train/optimizer_steps"] = float(len(stepped))
+    trained = [step for step, nothing in zip(steps, idle) if not nothing] * algo.ppo_epochs
+    metrics["train/model_flops"] = _model_flops(model, lengths, chunks, trained, all_chunks,
+                                                use_ref and algo.kl_mode == "loss", is_rl and algo.tis_cap is not None,
+                                                is_rl and critic is not None)
     if early is not None:
         metrics["train/rows_skipped"] = float(len(skipped))  # the batch's (every rank computes the same set)
         metrics["train/steps_without_gradient"] = float(len(done) - len(stepped))
     return metrics
+
+
+def _model_flops(model, lengths: list[int], chunks: list[list[int]], trained: list[list[list[int]]],
+                 reference_rows: list[list[int]] | None, reference: bool, own_old: bool, critic: bool) -> float:
+    """This rank's model FLOPs in the step (rft/trainer/flops.py): a forward and backward over the
+    rows of each optimizer step taken (`trained`, with the critic's own step after each), and the
+    forwards before any update over this rank's rows (`chunks`): the reference's (`reference`; or
+    of every row, `reference_rows`, under kl_mode=reward), the trainer's old logprobs (`own_old`),
+    the critic's values (`critic`)."""
+    def tokens(rows: list[list[int]]) -> int:
+        return sum(lengths[i] for chunk in rows for i in chunk)
+
+    forwards = tokens(chunks) * (reference + own_old + critic) + tokens(reference_rows or [])
+    passes = sum(tokens(step) for step in trained) * (2 if critic else 1)
+    return float(parameter_count(model) * (FORWARD * forwards + FORWARD_BACKWARD * passes))
 
 
 def _rows_without_gradient(batch: StepBatch, estimated: AdvantageOutputs) -> set[int]:

@@ -35,6 +35,7 @@ from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_bat
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.lora import LoRA
+from rft.trainer.flops import peak_tflops
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import LRSchedule, build_optimizer
@@ -132,6 +133,8 @@ class Learner:
 
         self.cfg, self.info, self.model, self.geo, self.runtime = cfg, info, model, geo, runtime
         self.lora: LoRA | None = None
+        weight = next(model.parameters())
+        self.peak_tflops = peak_tflops(weight.device, weight.dtype)  # None: no MFU to log (CPU, fp32, unknown GPU)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
@@ -262,9 +265,12 @@ class Learner:
         scalars.update(metrics)
         scalars.update(self.data_scalars)
         self.data_scalars = {}
-        scalars.update({"timing/train_s": trained - start,
-                        "perf/train_tokens_per_s": metrics["train/tokens"] / max(trained - start, 1e-9),
-                        "actor/lr": self.scheduler.get_last_lr()[0]})
+        seconds = max(trained - start, 1e-9)
+        tflops = metrics.get("train/model_flops", 0.0) / seconds / 1e12  # this rank's (rft/trainer/flops.py)
+        scalars.update({"timing/train_s": trained - start, "perf/train_tokens_per_s": metrics["train/tokens"] / seconds,
+                        "perf/model_tflops": tflops, "actor/lr": self.scheduler.get_last_lr()[0]})
+        if self.peak_tflops:
+            scalars["perf/mfu"] = tflops / self.peak_tflops
         return scalars
 
     def _log_optimizer_steps(self, steps: list[dict[str, float]]) -> None:

@@ -57,7 +57,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     load_hf_weights(model, load_hf_state(model_dir), geo)
     gen = torch.Generator().manual_seed(0)
     old_logprobs = [(-1.0 - torch.rand(len(r), generator=gen)).tolist() for r in RESPONSES]
-    res = {}
+    res = {"parameters": sum(p.numel() for p in model.parameters())}
     for name, (overrides, budget, rewards) in CASES.items():
         batch = StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, response_mask=MASKS, rewards=rewards,
                           old_logprobs=old_logprobs, group_ids=GROUPS)
@@ -132,3 +132,13 @@ def test_only_the_mini_batches_without_a_row_to_train_are_left_out(run):
         assert any(g.any() for g in theirs.values())
         for name, grad in theirs.items():
             torch.testing.assert_close(mine[name], grad, atol=1e-7, rtol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("case, skip, rows, passes", [
+    ("padded", False, range(6), 1), ("padded", True, [0, 1], 1), ("packed", True, [0, 1], 1),
+    ("epochs", True, [0, 1], 2), ("epochs", False, range(6), 2), ("all_alike", True, [], 1)])
+def test_model_flops_count_the_tokens_of_the_rows_trained(run, case, skip, rows, passes):
+    """6 FLOPs per parameter per prompt or response token forwarded and backpropagated, per PPO
+    epoch; rows left out and padding are not work the model did (rft/trainer/flops.py)."""
+    tokens = sum(len(PROMPTS[i]) + len(RESPONSES[i]) for i in rows)
+    assert run[case, skip][0]["train/model_flops"] == 6 * run["parameters"] * tokens * passes

@@ -42,7 +42,7 @@ def run_rank(config: dict, master_port: int) -> dict:
 
     # The task outlives its rank by the time it takes to hand the rank's outcome to submitit
     # (unpickling an exception may import torch or vLLM: seconds): the launcher counts a rank
-    # alive while either process is (rft/report.py), so that is not mistaken for a silent death.
+    # alive while either process is (rft/job_state.py), so that is not mistaken for a silent death.
     path = pid_path(config["run"]["output_dir"], submitit.JobEnvironment().global_rank, supervisor=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:

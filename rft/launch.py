@@ -86,7 +86,7 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     from rich.table import Table
 
     from rft.config import context_length, stage_configs
-    from rft.report import console
+    from rft.console import console
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
     table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
@@ -251,16 +251,9 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
 
     from rft.monitor import write_json_atomic
     from rft.runtime.pulse import SILENT_S
-    from rft.report import (
-        build_summary,
-        console,
-        job_watch,
-        print_summary,
-        local_rank_processes,
-        stop_local_ranks,
-        wait_until_gone,
-        watch,
-    )
+    from rft.console import console
+    from rft.job_state import job_watch, local_rank_processes, stop_local_ranks, wait_until_gone
+    from rft.report import build_summary, print_summary, watch
 
     world = world_size(cfg)
     on_slurm = cfg.cluster.kind == "slurm"
@@ -324,7 +317,7 @@ def losable_engines(cfg: RFTConfig) -> dict[int, int]:
 def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     """Submit one run (submitit local or Slurm executor); follow it unless it is a Slurm job
     without `cluster.wait`. Returns the process exit code."""
-    from rft.report import console
+    from rft.console import console
     from rft.runtime.run_dir import set_job
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
@@ -347,7 +340,7 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
 
 def submit_array(runs: list[tuple[RFTConfig, Owner, str | None]], sweep_dir: str) -> int:
     """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
-    from rft.report import console
+    from rft.console import console
     from rft.runtime.run_dir import release, set_job
 
     log_dir = os.path.join(sweep_dir, "logs")

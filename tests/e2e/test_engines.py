@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.checkpoint import newest_complete
-from rft.report import process_running as alive
+from rft.job_state import process_running as alive
 from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
 SFT, GRPO = 300, 8

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rft.report import RankFailure, _exception_line, find_failure
+from rft.failures import RankFailure, _exception_line, find_failure
 
 
 def _result(log_dir, job, rank, trace, at):
@@ -53,7 +53,7 @@ def _pulse(run_dir, rank, seconds_ago):
 
 
 def test_a_rank_silent_while_its_peers_beat_is_named_as_stopped(tmp_path):
-    from rft.report import silent_rank, stopped_responding
+    from rft.failures import silent_rank, stopped_responding
 
     logs = tmp_path / "logs"
     logs.mkdir()

@@ -1,0 +1,149 @@
+"""Which rank of a job failed first, and why: a rank that raised, was killed, vanished without a
+result or stopped responding; the root cause among the failures that follow one (peers of a dead
+rank fail after it); lost engines that the run goes on without (rollout.on_engine_failure=continue)."""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rich.markup import escape
+
+from rft.console import console
+from rft.job_state import local_rank_alive, slurm_job_state, task_result
+from rft.runtime.pulse import SILENT_S
+
+
+@dataclass
+class RankFailure:
+    rank: int
+    log_path: str
+    reason: str
+
+    @property
+    def died(self) -> bool:
+        """Killed by a signal or gone without a result (rft/runtime/supervisor.py's words), rather
+        than raising: when one rank dies its peers raise soon after, and the dead one is the cause."""
+        return " was killed by " in self.reason or "without a result" in self.reason
+
+
+def _exception_line(trace: str) -> str:
+    """The `SomeError: message` line of a traceback (messages may span several lines), without
+    the exception's module path; a rank killed by a signal (rft/runtime/supervisor.py) is just
+    the message."""
+    lines = trace.strip().splitlines()
+    for line in reversed(lines):
+        found = re.match(r"^(?:[\w]+\.)*(\w+(?:Error|Exception|Interrupt|Exit))\b(.*)$", line)
+        if found:
+            name, rest = found.groups()
+            return rest.lstrip(": ") if name == "RankKilledError" else name + rest
+    return lines[-1] if lines else "(no traceback)"
+
+
+def find_failures(run_dir: str, log_dir: str, job_id: str, world_size: int,
+                  alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> list[RankFailure]:
+    """The ranks that failed, the first first: one that raised or was killed (submitit's result
+    pickle says error; rft/runtime/supervisor.py reports signals), or whose process vanished
+    without a result. Ordered by their result files' times: when one rank dies the others often
+    fail after it (a peer gone from a meeting), and the first is the cause."""
+    alive = alive or local_rank_alive(run_dir)
+    failures: list[tuple[float, RankFailure]] = []
+    for rank in range(world_size):
+        log = os.path.join(log_dir, f"{job_id}_{rank}_log.err")
+        result = task_result(log_dir, job_id, rank)
+        if result is not None and result[0] == "error":
+            at = os.path.getmtime(os.path.join(log_dir, f"{job_id}_{rank}_result.pkl"))
+            failures.append((at, RankFailure(rank, log, _exception_line(str(result[1])))))
+        elif result is None and alive(rank) is False:
+            time.sleep(1.0)  # the result file may land just after the process exits
+            if task_result(log_dir, job_id, rank) is None:
+                reason = "process exited without a result (killed?)"
+                state = slurm_job_state(job_id) if on_slurm else None
+                if state:
+                    reason += f"; Slurm: job {job_id} {state}"
+                failures.append((time.time(), RankFailure(rank, log, reason)))
+    return [f for _, f in sorted(failures, key=lambda f: f[0])]
+
+
+def find_failure(run_dir: str, log_dir: str, job_id: str, world_size: int,
+                 alive: Callable[[int], bool | None] | None = None, on_slurm: bool = False) -> RankFailure | None:
+    """The rank that failed first (see find_failures), if any."""
+    return next(iter(find_failures(run_dir, log_dir, job_id, world_size, alive, on_slurm)), None)
+
+
+class EngineLosses:
+    """rollout.on_engine_failure=continue: the failures of engine ranks (`engine_of`: rank ->
+    engine index; empty when the job fails fast) are lost engines, said once each, not the job's
+    end, unless no engine is left."""
+
+    def __init__(self, engine_of: dict[int, int]):
+        self.engine_of, self.lost = engine_of, set()
+
+    def fatal(self, failures: list[RankFailure]) -> RankFailure | None:
+        for failure in failures:
+            engine = self.engine_of.get(failure.rank)
+            if engine is not None and engine not in self.lost:
+                self.lost.add(engine)
+                console.print(f"[yellow]engine {engine} lost: rank {failure.rank} failed: {escape(failure.reason)}\n  log: "
+                              f"{escape(failure.log_path)}\n  the run goes on without it (rollout.on_engine_failure=continue)",
+                              soft_wrap=True)
+        left = set(self.engine_of.values()) - self.lost
+        return next((f for f in failures if f.rank not in self.engine_of or not left), None)
+
+
+DEATH_REPORT_S = 20.0
+
+
+def root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: str, job_id: str, world_size: int,
+                alive: Callable[[int], bool | None], on_slurm: bool) -> RankFailure:
+    """The failure to report, once `first` is seen. A rank killed by a signal reports after its
+    supervisor cleaned up and told the job's store (seconds, when the store went down with rank
+    0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
+    until a rank that died reports or every rank has ended, reported or gone silent; a death wins."""
+    from rft.job import pid_path
+    from rft.runtime.pulse import silent_s
+
+    deadline = time.monotonic() + DEATH_REPORT_S
+
+    def accounted(rank: int) -> bool:  # ended, reported, or stopped (silent: it will never report)
+        quiet = silent_s(pid_path(run_dir, rank))
+        return alive(rank) is False or task_result(log_dir, job_id, rank) is not None or \
+            (quiet is not None and quiet >= SILENT_S)
+
+    while True:
+        failures = find_failures(run_dir, log_dir, job_id, world_size, alive, on_slurm)
+        settled = all(accounted(rank) for rank in range(world_size))
+        if any(f.died for f in failures) or settled or time.monotonic() > deadline:
+            return losses.fatal(sorted(failures, key=lambda f: not f.died)) or first
+        time.sleep(0.5)
+
+
+def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive: Callable[[int], bool | None],
+                silent_for_s: float, besides: int | None = None) -> tuple[int, float] | None:
+    """A rank (not `besides`) whose pulse (rft/runtime/pulse.py) stopped `silent_for_s` ago or
+    more although its process has not ended, while another rank's pulse goes on: it is stopped
+    (SIGSTOP, a debugger) or hung. (rank, seconds silent). Nobody beating means the job is not
+    running (queued again after a requeue, or ending): no rank is blamed then."""
+    from rft.job import pid_path
+    from rft.runtime.pulse import silent_s
+
+    quiet = {rank: silent_s(pid_path(run_dir, rank)) for rank in range(world_size)}
+    if not any(q is not None and q < SILENT_S for q in quiet.values()):
+        return None
+    for rank, q in quiet.items():
+        if rank == besides or q is None or q < silent_for_s or alive(rank) is False:
+            continue
+        if task_result(log_dir, job_id, rank) is None:  # one that ended stops beating, too
+            return rank, q
+    return None
+
+
+def stopped_responding(rank: int, quiet: float, log_dir: str, job_id: str, name_of: Callable[[int], str],
+                       then: RankFailure | None = None) -> RankFailure:
+    after = f"; rank {then.rank} then failed: {then.reason}" if then else ""
+    return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
+                       f"{name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (stopped by a signal or "
+                       f"a debugger, hung, or its node is unreachable){after}")

@@ -4,6 +4,7 @@ Slurm-job owners are checked against a real Slurm in tests/slurm."""
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -110,3 +111,31 @@ def test_an_earlier_attempt_moves_aside_whole(tmp_path):
     (run / "metrics").mkdir()
     assert set_aside_attempt(str(run)) == str(run / "attempts" / "2")
     assert set(ATTEMPT_FILES) >= {"buffer", "metrics", "tensorboard", "checkpoints", "progress.json", "summary.json"}
+
+
+@pytest.mark.parametrize("override, key, saved", [
+    ("trainer.tensor_parallel_size=2", "trainer.tensor_parallel_size", 1),
+    ("cluster.trainer_ranks=2", "cluster.trainer_ranks", 1),
+    ("trainer.transformer_impl=local", "trainer.transformer_impl", "auto"),
+    ("+stages.1.trainer.lora.rank=8", "stages[grpo].trainer.lora.rank", 0),
+])
+def test_a_resume_into_another_layout_is_refused_naming_the_key(tmp_path, override, key, saved):
+    """The launcher compares with the config the earlier launch saved, before any rank loads a
+    checkpoint into shards of another shape."""
+    from omegaconf import OmegaConf
+
+    from rft.launch import _resolved_config, refuse_another_layout
+    from tests.unit.test_config import compose_cfg
+
+    earlier = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}")
+    _resolved_config(earlier)  # <run>/config.yaml, as the earlier launch saved it
+    refuse_another_layout(compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}",
+                                      "trainer.recompute=full"), "attempts/1")  # not a layout: resumes
+    changed = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", override)
+    with pytest.raises(ValueError, match=f"^{re.escape(key)}=.*saved with {re.escape(key)}={saved}.*run\\.resume=never"):
+        refuse_another_layout(changed, "attempts/1")
+    older = OmegaConf.load(tmp_path / "config.yaml")  # as an rft without trainer.transformer_impl saved it
+    del older.trainer["transformer_impl"]
+    OmegaConf.save(older, tmp_path / "config.yaml")
+    refuse_another_layout(compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}",
+                                      "trainer.transformer_impl=local"), "attempts/1")

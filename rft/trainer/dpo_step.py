@@ -53,6 +53,7 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
     metrics["loss/policy"] = metrics["loss/dpo"]
     metrics.update(step_scalars(result))
     metrics["train/tokens"] = float(sum(len(r) for r in batch.response_ids))
+    # this rank's rows through the reference (a forward) and the policy (forward and backward)
     tokens = sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for chunk in chunks for i in chunk)
-    metrics["train/model_flops"] = float(parameter_count(model) * (FORWARD + FORWARD_BACKWARD) * tokens)  # reference + policy
+    metrics["train/model_flops"] = float(parameter_count(model) * (FORWARD + FORWARD_BACKWARD) * tokens)
     return metrics

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+
 def transformer_engine_missing() -> str | None:
     """Why Transformer Engine cannot build this rank's layers, or None when it can."""
     if not torch.cuda.is_available():

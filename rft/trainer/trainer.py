@@ -34,9 +34,9 @@ from rft.runtime.membership import lost_ranks
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
-from rft.trainer.lora import LoRA
 from rft.trainer.flops import peak_tflops
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
+from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
@@ -52,9 +52,10 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
                         cfg.trainer.virtual_pipeline_stages)
-    layers = resolve_transformer_impl(cfg.trainer.transformer_impl, trains_lora(cfg))
+    lora = trains_lora(cfg)
+    layers = resolve_transformer_impl(cfg.trainer.transformer_impl, lora)
     if info.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
-        print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, trains_lora(cfg))}", flush=True)
+        print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora)}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
                                  sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)

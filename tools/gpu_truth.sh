@@ -3,12 +3,11 @@
 #   bash tools/gpu_truth.sh            # results under $OUT (default /tmp/gpu_truth)
 # 1. tools/bench_trainer.py on Qwen2.5-0.5B and -1.5B shapes in bf16: packed vs padded
 #    microbatches, activation recompute; tokens/s, MFU and peak memory, one JSON line each in
-#    $OUT/bench.jsonl;
-#    The trainer's layers are Transformer Engine's where it imports (trainer.transformer_impl=auto;
-#    each JSON line names them);
-# 2. the gpu-marked tests: megatron-core's DDP and optimizer with fp32 masters (bf16, fp16),
-#    flash attention for padded and packed rows, and Transformer Engine's layers against the local
-#    ones (skipped where TE does not import) (full output in $OUT/tests.log).
+#    $OUT/bench.jsonl; the trainer's layers are Transformer Engine's where it imports
+#    (trainer.transformer_impl=auto; each JSON line names them);
+# 2. the GPU tests: megatron-core's DDP and optimizer with fp32 masters (bf16, fp16; CI runs it on
+#    CPU ranks), flash attention for padded and packed rows, and Transformer Engine's layers
+#    against the local ones (skipped where TE does not import) (full output in $OUT/tests.log).
 # Wheels in .whl/ (megatron-core and the config stack, for a machine with torch but not our stack)
 # are installed first. vLLM and Transformer Engine are not among them: their wheels are built for
 # one torch and CUDA each, and too big to carry, so generation and sync into a GPU vLLM are not
@@ -44,7 +43,7 @@ bench packed_0.5b_16k /tmp/qwen2_0.5b/random --rows 64 --budget 16384
 bench packed_0.5b_selective /tmp/qwen2_0.5b/random --rows 64 --budget 16384 --recompute selective --steps 3
 bench packed_1.5b /tmp/qwen2_1.5b/random --rows 64 --budget 16384
 bench packed_1.5b_full /tmp/qwen2_1.5b/random --rows 64 --budget 16384 --recompute full --steps 3
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -s -p no:cacheprovider -W ignore::UserWarning -m gpu \
+timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -s -p no:cacheprovider -W ignore::UserWarning \
   tests/dist/test_megatron_optimizer.py tests/dist/test_transformer_engine.py tests/unit/test_attention.py > "$OUT/tests.log" 2>&1
 tail -30 "$OUT/tests.log"
 

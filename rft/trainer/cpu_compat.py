@@ -8,12 +8,16 @@ megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/
     before all-reducing it with the first stage (`Tensor.cuda` keeps the tensor where it is);
   - the pipeline schedules' p2p code calls `torch.cuda.synchronize()` after each exchange (a no-op
     here: there is no device stream to wait for), and the schedules count tokens in a tensor made
-    with `device="cuda"` (`cuda_tensors_on_cpu`, around a schedule's call).
+    with `device="cuda"` (`cuda_tensors_on_cpu`, around a schedule's call);
+  - Megatron's DDP and distributed optimizer allocate some buffers with `device="cuda"` and accept
+    only parameters whose `.type()` names a CUDA tensor (`cuda_tensors_on_cpu` again, around each
+    of rft/trainer/megatron_optimizer.py's calls).
 Everything else the trainer uses (local layer spec, vocab-parallel layers, gloo collectives and
 p2p, Megatron's 1F1B schedule) runs on CPU as is. This module redirects exactly those calls to
 their CPU equivalents. It is applied only when CUDA is absent and is the one place such redirects
-live. Megatron's DDP and optimizer still need CUDA, so on CPU the trainer uses torch AdamW under
-its own fp32 master weights (rft/trainer/master_weights.py).
+live. The CPU trainer itself steps torch AdamW under its own fp32 master weights
+(rft/trainer/master_weights.py); Megatron's optimizer runs on CPU ranks in the tests, which hold
+it to the same updates (tests/dist/test_megatron_optimizer.py).
 """
 
 from __future__ import annotations
@@ -55,10 +59,13 @@ def apply_cpu_redirects() -> bool:
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):
-    """Tensors asked for with device="cuda" are made on the CPU instead."""
+    """Tensors asked for with device="cuda" are made on the CPU instead, and a tensor's type name
+    is its CUDA twin's ("torch.cuda.BFloat16Tensor": Megatron's optimizers check it)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            return func(*args).replace("torch.", "torch.cuda.", 1)
         if str(kwargs.get("device", "")).startswith("cuda"):
             kwargs = {**kwargs, "device": "cpu"}
         return func(*args, **kwargs)
@@ -67,7 +74,7 @@ class _CudaFactoriesOnCpu(TorchFunctionMode):
 @contextlib.contextmanager
 def cuda_tensors_on_cpu() -> Iterator[None]:
     """While open, and only without CUDA, a tensor created with device="cuda" lands on the CPU
-    (Megatron's schedules make their token counter that way)."""
+    (Megatron's schedules make their token counter that way) and CPU tensors name CUDA types."""
     if torch.cuda.is_available():
         yield
         return

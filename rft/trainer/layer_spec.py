@@ -85,10 +85,15 @@ class RMSNorm(torch.nn.RMSNorm):
     """PyTorch's RMSNorm, which Megatron's local spec builds (WrappedTorchNorm) but refuses under
     sequence parallelism only because it does not mark its weight: marked here, as Megatron's own
     fused norms do, so that the weight's gradient, from 1/TP of the sequence on each TP rank, is
-    summed over TP (master_weights.sync_grads; Megatron's DDP on CUDA)."""
+    summed over TP (master_weights.sync_grads; Megatron's DDP on CUDA). WrappedTorchNorm also
+    leaves the weight in fp32 in a bf16/fp16 model."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
-        super().__init__(hidden_size, eps=eps)
+        # in the model's dtype, as every other parameter (Megatron's own norms, Megatron-LM's
+        # Float16Module): its distributed optimizer maps a parameter group's params to their
+        # fp32 masters assuming one dtype, and saved the wrong moments, or failed, for fp32 norms
+        # beside bf16 biases
+        super().__init__(hidden_size, eps=eps, dtype=config.params_dtype)
         self.weight.sequence_parallel = config.sequence_parallel
 
 

@@ -1,7 +1,9 @@
 """The optimizer contract of rft/trainer/optimizer.py in plain torch, for CPU (gloo) ranks.
 
-Megatron's DDP and optimizer assert CUDA tensors, so this is what runs on laptops and in CI; it
-does what they do on a GPU, step for step:
+The CPU trainer's optimizer, on laptops and in CI (Megatron's DDP and optimizer run on CPU ranks
+only inside cpu_compat's redirects, which the tests use to hold the two paths to the same
+updates: tests/dist/test_megatron_optimizer_layouts.py). It does what Megatron's does on a GPU,
+step for step:
   - fp32 gradient accumulation: a hook adds each bf16/fp16 gradient into the parameter's fp32
     `main_grad` as soon as backward has produced it (Megatron's DDP keeps the same attribute), so
     the sum over microbatches is taken in fp32;
@@ -9,7 +11,8 @@ does what they do on a GPU, step for step:
     rank sees only its own heads), and over the two copies of a tied embedding under PP;
   - unscale, a global norm over TP shards and PP stages, a skipped step when it is not finite
     (decided alike on every rank, since the norm is global), clipping;
-  - the optimizer's step on fp32 master copies, then copied into the parameters.
+  - the optimizer's step on fp32 master copies, then copied into the parameters; as Megatron's,
+    without weight decay on biases and other one-dimensional parameters (norms).
 fp32 parameters are their own masters: no copies, no hooks.
 """
 
@@ -34,9 +37,10 @@ def _accumulate_in_fp32(param: torch.Tensor) -> None:
 
 class MasterWeightsOptimizer:
     """A torch optimizer (AdamW in runs; tests also use SGD) on fp32 masters of `model`'s
-    trainable parameters (see the module docstring). `make` builds it over the masters."""
+    trainable parameters (see the module docstring). `make` builds it over the masters' two param
+    groups: those decayed, and biases and norms (weight_decay 0)."""
 
-    def __init__(self, model, make: Callable[[list[torch.Tensor]], torch.optim.Optimizer],
+    def __init__(self, model, make: Callable[[list[dict[str, Any]]], torch.optim.Optimizer],
                  scaler: LossScale | None = None):
         self.model, self.scaler = model, scaler or LossScale(1.0, dynamic=False)
         self.params = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
@@ -52,7 +56,10 @@ class MasterWeightsOptimizer:
             if not hasattr(p, "main_grad"):  # the model outlives stages: one hook per parameter
                 p.register_post_accumulate_grad_hook(_accumulate_in_fp32)
             p.main_grad = torch.zeros_like(self.masters[name])
-        self.torch_optimizer = make(list(self.masters.values()))
+        self.undecayed = {name for name, p in self.params if p.dim() == 1 or name.endswith(".bias")}
+        self.torch_optimizer = make([
+            {"params": [m for name, m in self.masters.items() if name not in self.undecayed]},
+            {"params": [m for name, m in self.masters.items() if name in self.undecayed], "weight_decay": 0.0}])
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
@@ -110,8 +117,20 @@ class MasterWeightsOptimizer:
         with torch.no_grad():
             for name, saved in state["masters"].items():
                 self.masters[name].copy_(saved)  # finer than the parameters the model file holds
-        self.torch_optimizer.load_state_dict(state["optimizer"])
+        saved = state["optimizer"]
+        self.torch_optimizer.load_state_dict(saved if len(saved["param_groups"]) == 2 else self._regrouped(saved))
         self.scaler.scale, self.scaler.good_steps = state["loss_scale"], state["good_steps"]
+
+    def _regrouped(self, saved: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state saved in one param group (rft before biases and norms went
+        undecayed), its parameters the masters in order, in today's two groups."""
+        names = list(self.masters)
+        groups = [[n for n in names if n not in self.undecayed], [n for n in names if n in self.undecayed]]
+        index = {name: i for i, name in enumerate(groups[0] + groups[1])}
+        group = saved["param_groups"][0]
+        return {"state": {index[names[i]]: s for i, s in saved["state"].items()},
+                "param_groups": [{**group, "params": [index[n] for n in groups[0]]},
+                                 {**group, "weight_decay": 0.0, "params": [index[n] for n in groups[1]]}]}
 
 
 def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:

@@ -1,8 +1,9 @@
 """The optimizer contract of rft/trainer/optimizer.py on CUDA: megatron-core's own machinery.
 
-GPU path: CI has no GPU, so this file runs only where CUDA is present (tests marked `gpu`,
-tools/bench_trainer.py, both run by tools/gpu_truth.sh; run on an H200, see the README's
-Benchmarks); the CPU path (rft/trainer/master_weights.py) covers the same contract with gloo.
+The trainer uses it on GPUs (run on an H200, see the README's Benchmarks); on CPU it steps
+rft/trainer/master_weights.py instead. Every call also runs on CPU ranks over gloo, inside
+cpu_compat's `cuda_tensors_on_cpu` (a no-op on GPUs), so the tests hold this path to the CPU
+path's updates on every layout: DP with the distributed optimizer, TP, PP, virtual stages.
 
   - `DistributedDataParallel` gives every parameter an fp32 `main_grad` in contiguous buffers
     (`grad_reduce_in_fp32`) that its backward hooks accumulate into; `finalize_model_grads` sums
@@ -10,7 +11,8 @@ Benchmarks); the CPU path (rft/trainer/master_weights.py) covers the same contra
     the tied embedding's PP copies.
   - `get_megatron_optimizer` keeps fp32 masters of bf16/fp16 parameters (sharded over DP with
     `trainer.distributed_optimizer`), unscales, skips a step with inf/NaN gradients (found over
-    the model-parallel group), clips by the global norm and runs Adam(W) on the masters.
+    the model-parallel group), clips by the global norm and runs Adam(W) on the masters, with no
+    weight decay on biases and norms.
 
 The model is used unwrapped everywhere else (forward, weight sync, checkpoints): DDP's hooks sit
 on the parameters themselves, and without overlapped parameter gathering its forward only calls
@@ -20,11 +22,14 @@ reduction must sum, not average: build_gpt_model sets `calculate_per_token_loss`
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from rft.trainer.cpu_compat import cuda_tensors_on_cpu
 from rft.trainer.optimizer import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult
 
 _WRAPPED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
@@ -50,7 +55,8 @@ class MegatronOptimizer:
 
         from rft.trainer.model import model_chunks
 
-        self.ddp = [_ddp(chunk, distributed) for chunk in model_chunks(model)]  # one per virtual stage
+        with cuda_tensors_on_cpu():
+            self.ddp = [_ddp(chunk, distributed) for chunk in model_chunks(model)]  # one per virtual stage
         self.distributed = distributed
         dtype = model.config.params_dtype
         config = OptimizerConfig(
@@ -62,16 +68,20 @@ class MegatronOptimizer:
             # Megatron's default start, 2^32, skipped the first 16 steps of an fp16 run on a GPU
             initial_loss_scale=FP16_INITIAL_SCALE, loss_scale_window=FP16_GROWTH_INTERVAL, hysteresis=1,
             use_distributed_optimizer=distributed, clip_grad=0.0)
-        self.optimizer = get_megatron_optimizer(config, self.ddp)
+        with cuda_tensors_on_cpu():
+            self.optimizer = get_megatron_optimizer(config, self.ddp)
+        for group in self.optimizer.param_groups:  # biases and norms: wd_mult 0, which Megatron-LM's
+            group["weight_decay"] = weight_decay * group["wd_mult"]  # scheduler applies; rft's sets lr only
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
     def zero_grad(self) -> None:
-        for ddp in self.ddp:
-            ddp.zero_grad_buffer()
-        self.optimizer.zero_grad()
+        with cuda_tensors_on_cpu():
+            for ddp in self.ddp:
+                ddp.zero_grad_buffer()
+            self.optimizer.zero_grad()
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss)
@@ -80,10 +90,11 @@ class MegatronOptimizer:
         from megatron.core.distributed import finalize_model_grads
 
         scale = float(self.optimizer.get_loss_scale())
-        finalize_model_grads(self.ddp)
         for opt in self._parts():
             opt.config.clip_grad = grad_clip  # the stage's algorithm.grad_clip
-        stepped, grad_norm, _ = self.optimizer.step()
+        with cuda_tensors_on_cpu():
+            finalize_model_grads(self.ddp)
+            stepped, grad_norm, _ = self.optimizer.step()
         return StepResult(bool(stepped), float("nan") if grad_norm is None else float(grad_norm), scale)
 
     def _parts(self) -> list:
@@ -91,13 +102,36 @@ class MegatronOptimizer:
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"optimizer": self.optimizer.state_dict()}
-        if self.distributed:  # Adam's moments and the masters live in DP shards: gathered on DP rank 0
-            state["param_state"] = [opt.get_parameter_state_dp_zero() for opt in self._parts()]
+        with cuda_tensors_on_cpu():
+            state = {"optimizer": self.optimizer.state_dict()}
+            if self.distributed:  # Adam's moments and the masters live in DP shards: gathered on DP rank 0
+                state["param_state"] = [opt.get_parameter_state_dp_zero() for opt in self._parts()]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        if self.distributed:  # each rank passes its file's part; DP rank 0's holds the gathered state
-            for opt, part in zip(self._parts(), state["param_state"]):
-                opt.load_parameter_state_from_dp_zero(part)
+        # no_grad: with fp32 parameters the masters are views of them, which Megatron's loader
+        # copies into in place (autograd refuses that on a view of a leaf that requires grad)
+        with cuda_tensors_on_cpu(), torch.no_grad():
+            self.optimizer.load_state_dict(state["optimizer"])
+            if self.distributed:  # each rank passes its file's part; DP rank 0's holds the gathered state
+                for opt, part in zip(self._parts(), state["param_state"]):
+                    with _step_set_aside(opt.optimizer):
+                        opt.load_parameter_state_from_dp_zero(part)
+
+
+@contextlib.contextmanager
+def _step_set_aside(inner: torch.optim.Optimizer) -> Iterator[None]:
+    """Megatron 0.16's DP-rank-0 loader copies every key of the inner optimizer's per-parameter
+    state from the checkpoint, which holds only the masters and Adam's moments. torch's Adam (what
+    Megatron runs without Apex or Transformer Engine) also keeps its `step` there, which
+    load_state_dict has just restored from the param groups: without this, a resume with the
+    distributed optimizer failed with KeyError: 'step' (found running this path on CPU ranks).
+    It comes back as one tensor per parameter: load_state_dict gives them all the same one, which
+    torch's Adam then advanced once per parameter at each step (a resumed run's bias correction
+    went wrong)."""
+    steps = {param: state.pop("step") for param, state in inner.state.items() if "step" in state}
+    try:
+        yield
+    finally:
+        for param, step in steps.items():
+            inner.state[param]["step"] = step.detach().clone()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
-from rft.weights.hf_megatron import Geometry, padded_vocab
+from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -201,5 +201,19 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
             vp_stage=vp_stage,
         )
         chunk.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
+        _mark_tensor_parallel_shards(chunk)
         chunks.append(chunk.cuda() if on_gpu else chunk)
     return (chunks[0] if vpp == 1 else VirtualStages(chunks)), geo
+
+
+def _mark_tensor_parallel_shards(chunk) -> None:
+    """Mark each weight split over TP ranks as Megatron's weight initialisation would have
+    (`tensor_model_parallel`, `partition_dim`), which perform_initialization=False skips. Megatron's
+    grad norm counts an unmarked shard as a TP duplicate, on TP rank 0 only: under TP its clipping
+    saw too small a norm (0.255 for 0.320, Qwen2 at TP=2), until tests ran its optimizer on CPU."""
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    for name, param in chunk.named_parameters():
+        dim = tp_split_dim(name)
+        if dim is not None and not hasattr(param, "tensor_model_parallel"):
+            set_tensor_model_parallel_attributes(param, True, dim, 1)

@@ -174,3 +174,24 @@ def test_lr_warms_up_then_decays_to_its_floor_at_the_stages_last_step(decay, mid
     resumed = LRSchedule(optimizer, lr=2.0, warmup_steps=4, decay=decay, total_steps=24, min_lr_ratio=0.1)
     resumed.load_state_dict({"steps": 13})
     assert optimizer.param_groups[0]["lr"] == rates[13]  # a resumed stage goes on from its step
+
+
+def test_biases_and_norms_are_not_decayed_and_a_single_group_state_still_loads():
+    """As Megatron's optimizer (the GPU path) groups them; a state saved by rft before that, in one
+    param group over the masters in order, resumes with each master's moments."""
+    from rft.trainer.master_weights import MasterWeightsOptimizer
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4), torch.nn.Linear(4, 2)).to(torch.bfloat16)
+    optimizer = MasterWeightsOptimizer(model, lambda groups: torch.optim.AdamW(groups, lr=0.1, weight_decay=0.5))
+    decayed, undecayed = optimizer.param_groups
+    assert decayed["weight_decay"] == 0.5 and [tuple(p.shape) for p in decayed["params"]] == [(4, 3), (2, 4)]
+    assert undecayed["weight_decay"] == 0.0 and [tuple(p.shape) for p in undecayed["params"]] == [(4,)] * 3 + [(2,)]
+    before = torch.optim.AdamW(list(optimizer.masters.values()), lr=0.1, weight_decay=0.5)
+    for master in optimizer.masters.values():
+        master.grad = torch.randn_like(master)
+    before.step()
+    optimizer.load_state_dict({"optimizer": before.state_dict(), "masters": {}, "loss_scale": 1.0, "good_steps": 0})
+    for master in optimizer.masters.values():
+        for key in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(optimizer.torch_optimizer.state[master][key], before.state[master][key])
+    assert [g["weight_decay"] for g in optimizer.param_groups] == [0.5, 0.0]

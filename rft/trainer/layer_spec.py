@@ -22,7 +22,11 @@ the GPU machine lent so far had no TE wheel for its torch. `tests/dist/test_tran
 
 from __future__ import annotations
 
+import importlib
+
 import torch
+
+from rft.weights.hf_megatron import local_spec_name
 
 
 def transformer_engine_missing() -> str | None:
@@ -30,7 +34,7 @@ def transformer_engine_missing() -> str | None:
     if not torch.cuda.is_available():
         return "Transformer Engine runs on GPUs only, and this rank has none"
     try:
-        import transformer_engine.pytorch  # noqa: F401
+        importlib.import_module("transformer_engine.pytorch")
     except Exception as e:  # an ImportError, or a library built for another torch or CUDA (OSError)
         return (f"transformer_engine does not import here ({type(e).__name__}: {e}); install it into the "
                 "container (pip install transformer-engine[pytorch], built for its torch and CUDA)")
@@ -51,9 +55,8 @@ def resolve_transformer_impl(requested: str, lora: bool) -> str:
     return "transformer_engine"
 
 
-def why_these_layers(requested: str, lora: bool) -> str:
-    """What `resolve_transformer_impl` chose, and why, for a GPU run's log."""
-    impl = resolve_transformer_impl(requested, lora)
+def why_these_layers(requested: str, lora: bool, impl: str) -> str:
+    """Why `resolve_transformer_impl` chose `impl`, for a GPU run's log."""
     if impl == "transformer_engine" or requested == "local":
         return f"{impl} (trainer.transformer_impl={requested})"
     return f"local ({'LoRA adapters need them' if lora else transformer_engine_missing()})"
@@ -64,7 +67,7 @@ def check_saved_layers(saved_model_state: dict | None, built: str) -> None:
     norms inside the fused linears); said here rather than as load_state_dict's key listing."""
     if saved_model_state is None:
         return
-    saved = "transformer_engine" if any(k.endswith(".layer_norm_weight") for k in saved_model_state) else "local"
+    saved = "transformer_engine" if any(local_spec_name(k) != k for k in saved_model_state) else "local"
     if saved != built:
         raise ValueError(f"the checkpoint holds {saved} layers and this run built {built} ones "
                          f"(trainer.transformer_impl); resume where {saved} layers are built: set "

@@ -55,7 +55,7 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
     lora = trains_lora(cfg)
     layers = resolve_transformer_impl(cfg.trainer.transformer_impl, lora)
     if info.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
-        print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora)}", flush=True)
+        print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora, layers)}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
                                  sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)

@@ -22,8 +22,9 @@ def test_auto_builds_the_local_layers_without_a_gpu_and_explicit_te_names_the_ke
     assert resolve_transformer_impl("auto", lora=False) == "local"
     assert resolve_transformer_impl("auto", lora=True) == "local"
     assert resolve_transformer_impl("local", lora=False) == "local"
-    assert why_these_layers("auto", lora=False) == "local (Transformer Engine runs on GPUs only, and this rank has none)"
-    assert why_these_layers("auto", lora=True) == "local (LoRA adapters need them)"
+    assert why_these_layers("auto", False, "local") == \
+        "local (Transformer Engine runs on GPUs only, and this rank has none)"
+    assert why_these_layers("auto", True, "local") == "local (LoRA adapters need them)"
     with pytest.raises(ValueError, match=r"^trainer\.transformer_impl=transformer_engine: .*GPUs only.*auto"):
         resolve_transformer_impl("transformer_engine", lora=False)
 

@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
-from rft.config import RFTConfig, config_error, register_configs, world_size
+from rft.config import RFTConfig, register_configs, world_size
 from rft.config_checks import validate
 from rft.runtime.run_dir import Owner
 
@@ -43,172 +43,6 @@ def prepare(cfg: RFTConfig) -> None:
         from rft.models.tiny import create_tiny_model
 
         create_tiny_model(cfg.model.tiny, cfg.model.path, cfg.seed)
-
-
-def saving_ranks(cfg: RFTConfig) -> list[int]:
-    """The ranks whose files make a checkpoint complete, in the ranks this mode starts (rft/job.py)."""
-    from rft.cluster import voting_ranks
-
-    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
-    saving_t = 0 if cfg.mode == "explore" else t
-    return voting_ranks(cfg, saving_t, saving_t + (0 if cfg.mode == "train" else r))
-
-
-def start_or_resume(cfg: RFTConfig) -> str | None:
-    """What this launch does with an earlier attempt in run.output_dir (rft/runtime/run_dir.py):
-    resume from its newest complete checkpoint, or start over with its files moved to
-    <run>/attempts/<n>. Raises ValueError (a finished run with `run.resume=auto`, or
-    `run.resume=require` and nothing to resume). Returns the plan's line about it, or None for a fresh directory."""
-    from rft.checkpoint import newest_complete
-    from rft.runtime.run_dir import finished, has_earlier_attempt, next_attempt_dir, set_aside_attempt
-
-    run_dir, policy = cfg.run.output_dir, cfg.run.resume
-    if not has_earlier_attempt(run_dir):
-        return None
-    resume = newest_complete(run_dir, saving_ranks(cfg))
-    if policy == "auto" and finished(run_dir):
-        config_error("run.output_dir", run_dir,
-                     f"holds a finished run (summary.json); launch into a new run.output_dir, start it over with "
-                     f"run.resume=never (the finished run is kept in {next_attempt_dir(run_dir)}), or train its "
-                     "last steps again from its newest checkpoint with run.resume=require")
-    if policy != "never" and resume is not None:
-        refuse_another_layout(cfg, next_attempt_dir(run_dir))
-        return f"resume from {resume.step_dir} ({resume.done} steps done)"
-    if policy == "require":
-        config_error("run.resume", policy,
-                     f"{run_dir} holds an earlier attempt but no complete checkpoint to resume from; "
-                     f"run.resume=auto starts it over (the earlier attempt kept in {next_attempt_dir(run_dir)}), "
-                     "or launch into a new run.output_dir")
-    why = "run.resume=never" if policy == "never" else "no complete checkpoint to resume from"
-    return f"start over ({why}); the earlier attempt's files are in {set_aside_attempt(run_dir)}"
-
-
-# what the trainer's checkpoint files are laid out by (rft/checkpoint.py: one file per rank, Megatron
-# shards under their parameter names, LoRA adapters of the stage's rank): a resume keeps each
-CHECKPOINT_LAYOUT = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer.pipeline_parallel_size",
-                     "trainer.virtual_pipeline_stages", "trainer.transformer_impl")
-
-
-def refuse_another_layout(cfg: RFTConfig, attempt_dir: str) -> None:
-    """A relaunch that would resume a checkpoint into another layout is refused here, naming the
-    key, instead of failing in every rank's load_state_dict. Compares with the config the earlier
-    launch saved (<run>/config.yaml); what that config lacks (an older rft) is not compared."""
-    from rft.config import stage_configs
-
-    path = os.path.join(cfg.run.output_dir, "config.yaml")
-    if not os.path.exists(path):
-        return
-    saved, now = OmegaConf.load(path), OmegaConf.structured(cfg)
-    changed = [(key, OmegaConf.select(saved, key), OmegaConf.select(now, key)) for key in CHECKPOINT_LAYOUT]
-    with contextlib.suppress(Exception):  # a config an older rft saved may not fit today's schema
-        earlier = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), saved))
-        ranks = {name: stage.trainer.lora.rank for name, stage in stage_configs(earlier)}
-        changed += [(f"stages[{name}].trainer.lora.rank", ranks.get(name), stage.trainer.lora.rank)
-                    for name, stage in stage_configs(cfg)]
-    for key, before, after in changed:
-        if before is not None and before != after:
-            config_error(key, after, f"the checkpoint in run.output_dir={cfg.run.output_dir} was saved with "
-                         f"{key}={before}, and a checkpoint resumes only into the layout it was saved from: "
-                         f"launch with {key}={before}, start over with run.resume=never (the earlier attempt "
-                         f"kept in {attempt_dir}), or launch into a new run.output_dir")
-
-
-def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None:
-    from rich.table import Table
-
-    from rft.config import context_length, stage_configs
-    from rft.console import console
-
-    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
-    table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
-    table.add_column(no_wrap=True)
-    table.add_column(overflow="fold")  # long paths wrap, never cut to "..." (logs are 80 columns wide)
-    if cfg.mode == "bench":
-        from rft.bench import bench_checkpoints
-
-        table.add_row("mode", f"bench: pass@k / mean@k for k in {list(cfg.bench.k)} on {cfg.data.eval_path}")
-        table.add_row("checkpoints", "\n".join(bench_checkpoints(cfg)))
-        table.add_row("output dir", cfg.run.output_dir)
-        if attempt is not None:
-            table.add_row("attempt", attempt)
-        console.print(table)
-        return
-    if cfg.mode == "serve":
-        table.add_row("mode", "serve: vLLM's OpenAI API on every engine; rewarded sessions -> <run>/buffer every "
-                              f"{cfg.serve.step_s:g}s" + (f", for {cfg.serve.duration_min:g} min" if cfg.serve.duration_min
-                                                        else ", until cancelled"))
-        table.add_row("engines", engines_line(cfg))
-        table.add_row("weights", f"{cfg.model.path}, then each version a trainer publishes to {cfg.sync.checkpoint_dir}"
-                      if cfg.sync.checkpoint_dir else f"{cfg.model.path} (fixed; set sync.checkpoint_dir to follow "
-                                                       "a trainer's sync.engine=checkpoint)")
-        table.add_row("output dir", cfg.run.output_dir)
-        table.add_row("logs", log_dir)
-        console.print(table)
-        return
-    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
-    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
-    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
-                                   f"model {cfg.model.name})")
-    if cfg.mode in ("both", "explore") and r:
-        table.add_row("engines", engines_line(cfg))
-    if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
-        first = t + r if cfg.mode == "both" else r
-        table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
-                                     f"TP={cfg.judge.tensor_parallel_size}, model {cfg.judge.model or cfg.model.path}; "
-                                     f"calls time out after {cfg.judge.timeout_s:g}s)")
-    table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
-                                 f"timeout {cfg.sync.timeout_s:.0f}s")
-    if cfg.mode == "both":
-        table.add_row("schedule", schedule_line(cfg))
-    context, stages = context_length(cfg.model), stage_configs(cfg)
-    table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))
-    # a packed microbatch holds its budget, or one row up to the context if a row is longer
-    tokens = max(max(s.trainer.max_tokens_per_microbatch, context) if s.trainer.max_tokens_per_microbatch
-                 else max(s.trainer.micro_batch_size, 1) * context for _, s in stages)
-    table.add_row("sequences", f"<= {context} tokens (prompt + response; longer rows: data.overlong="
-                               f"{cfg.data.overlong}); a trainer microbatch <= {tokens} tokens")
-    if cfg.mode != "explore":
-        save = [f"every {cfg.trainer.save_every_min:g} min"] if cfg.trainer.save_every_min else []
-        save += [f"every {cfg.trainer.save_interval} steps"] if cfg.trainer.save_interval else []
-        table.add_row("checkpoints", " and ".join(save + ["on Slurm's time-limit signal"]) + ", "
-                      f"newest {cfg.trainer.keep_checkpoints} kept")
-    table.add_row("output dir", cfg.run.output_dir)
-    if attempt is not None:
-        table.add_row("attempt", attempt)
-    table.add_row("logs", log_dir)
-    table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
-    console.print(table)
-
-
-def engines_line(cfg: RFTConfig) -> str:
-    """One line per vLLM engine: its ranks and the node of the allocation they run on."""
-    from rft.cluster import engine_ranks
-    from rft.slurm import tasks_per_node
-
-    per_node = tasks_per_node(cfg) if cfg.cluster.kind == "slurm" else None
-    lines = []
-    for e, ranks in enumerate(engine_ranks(cfg)):
-        where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"
-        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-        lines.append(f"engine {e}: {span} on {where}")
-    deal = "tasks dealt by load" if len(lines) > 1 else "one engine"
-    return "\n".join(lines) + f"\n({deal}; each writes its own shards)"
-
-
-def schedule_line(cfg: RFTConfig) -> str:
-    """How explorer and trainer interleave in rollout stages (rft/schedule.py), and the staleness
-    that allows, with a warning where buffer.max_staleness will drop or re-weight shards by design."""
-    from rft.schedule import max_lag
-
-    k, n, limit = cfg.sync.offset, cfg.sync.interval, cfg.buffer.max_staleness
-    kind = "synchronous on-policy" if k == 0 and n == 1 else ("one-step-off" if (k, n) == (1, 1) else "asynchronous")
-    line = f"{kind}: weights sync every {n} step(s), explorer {k} step(s) ahead; experience up to {max_lag(cfg)} " \
-           "trainer step(s) old"
-    if limit is not None:
-        line += f"; older than {limit}: {cfg.buffer.stale}"
-        if limit < max_lag(cfg):
-            line += " [yellow](every sync window: sync.offset + sync.interval - 1 > buffer.max_staleness)[/yellow]"
-    return line
 
 
 def _executor(cfg: RFTConfig, log_dir: str):
@@ -349,6 +183,7 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     """Submit one run (submitit local or Slurm executor); follow it unless it is a Slurm job
     without `cluster.wait`. Returns the process exit code."""
     from rft.console import console
+    from rft.plan import print_plan
     from rft.runtime.run_dir import set_job
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
@@ -372,6 +207,7 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
 def submit_array(runs: list[tuple[RFTConfig, Owner, str | None]], sweep_dir: str) -> int:
     """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
     from rft.console import console
+    from rft.plan import print_plan
     from rft.runtime.run_dir import release, set_job
 
     log_dir = os.path.join(sweep_dir, "logs")
@@ -457,6 +293,7 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
 def take_run_dir(cfg: RFTConfig) -> tuple[Owner, str | None]:
     """Own run.output_dir (RunDirBusy if another live launch does), decide between resuming and
     starting over, then create the generated inputs. Releases the directory if a step fails."""
+    from rft.attempts import start_or_resume
     from rft.runtime.run_dir import claim, release, this_launch
 
     owner = this_launch(cfg.cluster.kind)

@@ -107,7 +107,7 @@ def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
     """Each engine's leader runs it on its own four GPUs of node 1; the weight groups reach every
     worker of both engines; the plan names both engines, their ranks and node."""
     from rft.cluster import control_members, engine_devices, engine_index, is_engine_follower, sync_layout
-    from rft.launch import engines_line
+    from rft.plan import engines_line
 
     cfg = _two_engines_profile(tmp_path)
     (tmp_path / "rft.sif").write_text("")

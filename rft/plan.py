@@ -1,0 +1,106 @@
+"""The plan the launcher prints before it submits: ranks, engines, schedule, stages, checkpoints,
+and where the outputs go."""
+
+from __future__ import annotations
+
+import os
+
+from rft.config import RFTConfig
+
+
+def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None:
+    from rich.table import Table
+
+    from rft.config import context_length, stage_configs
+    from rft.console import console
+
+    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
+    table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
+    table.add_column(no_wrap=True)
+    table.add_column(overflow="fold")  # long paths wrap, never cut to "..." (logs are 80 columns wide)
+    if cfg.mode == "bench":
+        from rft.bench import bench_checkpoints
+
+        table.add_row("mode", f"bench: pass@k / mean@k for k in {list(cfg.bench.k)} on {cfg.data.eval_path}")
+        table.add_row("checkpoints", "\n".join(bench_checkpoints(cfg)))
+        table.add_row("output dir", cfg.run.output_dir)
+        if attempt is not None:
+            table.add_row("attempt", attempt)
+        console.print(table)
+        return
+    if cfg.mode == "serve":
+        table.add_row("mode", "serve: vLLM's OpenAI API on every engine; rewarded sessions -> <run>/buffer every "
+                              f"{cfg.serve.step_s:g}s" + (f", for {cfg.serve.duration_min:g} min" if cfg.serve.duration_min
+                                                        else ", until cancelled"))
+        table.add_row("engines", engines_line(cfg))
+        table.add_row("weights", f"{cfg.model.path}, then each version a trainer publishes to {cfg.sync.checkpoint_dir}"
+                      if cfg.sync.checkpoint_dir else f"{cfg.model.path} (fixed; set sync.checkpoint_dir to follow "
+                                                       "a trainer's sync.engine=checkpoint)")
+        table.add_row("output dir", cfg.run.output_dir)
+        table.add_row("logs", log_dir)
+        console.print(table)
+        return
+    tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
+    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
+    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
+                                   f"model {cfg.model.name})")
+    if cfg.mode in ("both", "explore") and r:
+        table.add_row("engines", engines_line(cfg))
+    if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
+        first = t + r if cfg.mode == "both" else r
+        table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
+                                     f"TP={cfg.judge.tensor_parallel_size}, model {cfg.judge.model or cfg.model.path}; "
+                                     f"calls time out after {cfg.judge.timeout_s:g}s)")
+    table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
+                                 f"timeout {cfg.sync.timeout_s:.0f}s")
+    if cfg.mode == "both":
+        table.add_row("schedule", schedule_line(cfg))
+    context, stages = context_length(cfg.model), stage_configs(cfg)
+    table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))
+    # a packed microbatch holds its budget, or one row up to the context if a row is longer
+    tokens = max(max(s.trainer.max_tokens_per_microbatch, context) if s.trainer.max_tokens_per_microbatch
+                 else max(s.trainer.micro_batch_size, 1) * context for _, s in stages)
+    table.add_row("sequences", f"<= {context} tokens (prompt + response; longer rows: data.overlong="
+                               f"{cfg.data.overlong}); a trainer microbatch <= {tokens} tokens")
+    if cfg.mode != "explore":
+        save = [f"every {cfg.trainer.save_every_min:g} min"] if cfg.trainer.save_every_min else []
+        save += [f"every {cfg.trainer.save_interval} steps"] if cfg.trainer.save_interval else []
+        table.add_row("checkpoints", " and ".join(save + ["on Slurm's time-limit signal"]) + ", "
+                      f"newest {cfg.trainer.keep_checkpoints} kept")
+    table.add_row("output dir", cfg.run.output_dir)
+    if attempt is not None:
+        table.add_row("attempt", attempt)
+    table.add_row("logs", log_dir)
+    table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
+    console.print(table)
+
+
+def engines_line(cfg: RFTConfig) -> str:
+    """One line per vLLM engine: its ranks and the node of the allocation they run on."""
+    from rft.cluster import engine_ranks
+    from rft.slurm import tasks_per_node
+
+    per_node = tasks_per_node(cfg) if cfg.cluster.kind == "slurm" else None
+    lines = []
+    for e, ranks in enumerate(engine_ranks(cfg)):
+        where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"
+        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        lines.append(f"engine {e}: {span} on {where}")
+    deal = "tasks dealt by load" if len(lines) > 1 else "one engine"
+    return "\n".join(lines) + f"\n({deal}; each writes its own shards)"
+
+
+def schedule_line(cfg: RFTConfig) -> str:
+    """How explorer and trainer interleave in rollout stages (rft/schedule.py), and the staleness
+    that allows, with a warning where buffer.max_staleness will drop or re-weight shards by design."""
+    from rft.schedule import max_lag
+
+    k, n, limit = cfg.sync.offset, cfg.sync.interval, cfg.buffer.max_staleness
+    kind = "synchronous on-policy" if k == 0 and n == 1 else ("one-step-off" if (k, n) == (1, 1) else "asynchronous")
+    line = f"{kind}: weights sync every {n} step(s), explorer {k} step(s) ahead; experience up to {max_lag(cfg)} " \
+           "trainer step(s) old"
+    if limit is not None:
+        line += f"; older than {limit}: {cfg.buffer.stale}"
+        if limit < max_lag(cfg):
+            line += " [yellow](every sync window: sync.offset + sync.interval - 1 > buffer.max_staleness)[/yellow]"
+    return line

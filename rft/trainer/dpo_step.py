@@ -1,7 +1,9 @@
 """One DPO optimizer step on preference pairs (Rafailov et al. 2023), offline (`mode=train`).
 
 Rows come in pairs: row 2i is prompt + chosen, row 2i+1 the same prompt + rejected. Pairs are split
-over data-parallel ranks and microbatches whole (a pair's two rows stay together), each row's
+over data-parallel ranks and microbatches whole (a pair's two rows stay together, so the loss sees
+both): `micro_batch_size` rows padded, or with `max_tokens_per_microbatch` whole pairs packed up to
+that many tokens as the RL and SFT steps pack rows (rft/trainer/microbatches.py). Each row's
 response logprobs are summed, the frozen reference model (the policy at stage start) gives the
 same sums, and the loss is the mean over all pairs of -log sigmoid(beta * margin).
 """
@@ -14,6 +16,7 @@ from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
+from rft.trainer.microbatches import microbatches
 from rft.trainer.pipeline import forward_logprobs_pipelined
 from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
 
@@ -23,14 +26,18 @@ def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfig, micro_batch_size: int,
-             pad_id: int) -> dict[str, float]:
+             pad_id: int, max_tokens_per_microbatch: int = 0) -> dict[str, float]:
     dp_rank, dp_size, _ = _dp()
     pairs = list(range(dp_rank, len(batch.prompt_ids) // 2, dp_size))
-    per_mb = max(1, micro_batch_size // 2)
-    chunks = [[r for p in pairs[s: s + per_mb] for r in (2 * p, 2 * p + 1)] for s in range(0, len(pairs), per_mb)]
+    # a pair is the unit of a microbatch: its length is its two rows' together
+    pair_lengths = [sum(len(batch.prompt_ids[r]) + len(batch.response_ids[r]) for r in (2 * p, 2 * p + 1))
+                    for p in range(len(batch.prompt_ids) // 2)]
+    pair_chunks = microbatches(pairs, pair_lengths, max(1, micro_batch_size // 2), max_tokens_per_microbatch)
+    chunks = [[r for p in chunk for r in (2 * p, 2 * p + 1)] for chunk in pair_chunks]
     device = next(model.parameters()).device
+    packed = max_tokens_per_microbatch > 0
     mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device,
-                           multiple_of=sequence_multiple(model)) for idx in chunks]
+                           packed=packed, multiple_of=sequence_multiple(model)) for idx in chunks]
     num_pairs = float(len(batch.prompt_ids) // 2)
     with torch.no_grad():
         ref = forward_logprobs_pipelined(ref_model, mbs)

@@ -247,7 +247,7 @@ class Learner:
             metrics = {"train/tokens": 0.0}
         elif self.is_dpo:
             metrics = dpo_step(self.model, self.optimizer, self.ref_model, batch, algo, trainer.micro_batch_size,
-                               self.pad_id)
+                               self.pad_id, trainer.max_tokens_per_microbatch)
         else:
             optimizer_steps: list[dict[str, float]] = []
             metrics = train_step(self.model, self.optimizer, batch, algo, trainer.micro_batch_size, self.pad_id,

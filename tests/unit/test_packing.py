@@ -1,8 +1,9 @@
 """Sequence packing (trainer.max_tokens_per_microbatch) on the tiny model with real megatron-core on
 one CPU gloo rank (spawned): packed microbatches (rows back to back, each attending to itself through
 cumulative sequence lengths) give the padded path's logprobs, entropy, losses and gradients to 1e-5; logits computed at the
-response targets alone give what logits at every position gave; and the token-budget microbatches
-hold every row once within the budget."""
+response targets alone give what logits at every position gave; the token-budget microbatches
+hold every row once within the budget; and DPO steps, packed by whole pairs, give the padded
+step's loss and gradients and the loss computed by hand."""
 
 
 import pytest
@@ -17,6 +18,10 @@ MASKS = [[1, 1, 1], [1], [1, 1, 0, 0, 1, 1, 1], [1, 1], [1, 1, 1, 1, 1], [1, 1]]
 REWARDS = [1.0, 0.0, 1.0, 0.0, 0.5, 1.0]
 GROUPS = [0, 0, 1, 1, 2, 2]
 BUDGET = 16  # tokens per packed microbatch
+# DPO pairs: prompt i with response i chosen and response i-1 rejected (rows 2i, 2i+1), lengths 7..25
+DPO_PROMPTS = [p for p in PROMPTS for _ in (0, 1)]
+DPO_RESPONSES = [r for i, chosen in enumerate(RESPONSES) for r in (chosen, RESPONSES[i - 1])]
+DPO_BETA, DPO_BUDGET = 0.5, 32
 
 
 class CapturingOptimizer:
@@ -69,6 +74,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             optimizer = CapturingOptimizer(model)
             metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget)
             res[f"step_{agg}_{budget}"] = (metrics, optimizer.grads)
+    _dpo_steps(model, model_dir, geo, res)
     LogprobsHead.response_only = False  # the policy's logits at every position, as before
     optimizer = CapturingOptimizer(model)
     algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", entropy_coef=0.01)
@@ -76,6 +82,33 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     res["step_every_position"] = (metrics, optimizer.grads)
     torch.save(res, out)
     dist.destroy_process_group()
+
+
+def _dpo_steps(model, model_dir: str, geo, res: dict) -> None:
+    """DPO steps padded (two pairs per microbatch) and packed, against a reference model apart from
+    the policy, and both models' logprobs of every row for the loss by hand."""
+    from rft.config import AlgorithmConfig
+    from rft.trainer.dpo_step import dpo_step
+    from rft.trainer.forward import forward_logprobs, pack_microbatch
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.train_step import StepBatch
+    from rft.weights.convert import load_hf_weights
+
+    ref, _ = build_gpt_model(model_dir)
+    load_hf_weights(ref, load_hf_state(model_dir), geo)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # margins that differ from pair to pair, not the 0 of policy = reference
+        for param in ref.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=gen))
+        every_row = pack_microbatch(DPO_PROMPTS, DPO_RESPONSES, 0, torch.device("cpu"))
+        res["dpo_logprobs"] = (forward_logprobs(model, every_row)[0], forward_logprobs(ref, every_row)[0],
+                               every_row.loss_mask)
+    batch = StepBatch(prompt_ids=DPO_PROMPTS, response_ids=DPO_RESPONSES)
+    algo = AlgorithmConfig(policy_loss="dpo", dpo_beta=DPO_BETA)
+    for budget in (0, DPO_BUDGET):
+        optimizer = CapturingOptimizer(model)
+        metrics = dpo_step(model, optimizer, ref, batch, algo, 4, 0, max_tokens_per_microbatch=budget)
+        res[f"dpo_{budget}"] = (metrics, optimizer.grads)
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +156,23 @@ def test_packed_step_gives_the_padded_losses_and_gradients(run, agg):
     for name, grad in pad_grads.items():
         torch.testing.assert_close(pack_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
     assert any(g.abs().sum() > 0 for g in pad_grads.values())
+
+
+def test_packed_dpo_step_gives_the_padded_loss_gradients_and_the_loss_by_hand(run):
+    import torch.nn.functional as F
+
+    policy, ref, mask = run["dpo_logprobs"]
+    sums = lambda logprobs: (logprobs * mask).sum(dim=-1)  # noqa: E731
+    margin = DPO_BETA * ((sums(policy) - sums(ref))[0::2] - (sums(policy) - sums(ref))[1::2])
+    by_hand = -F.logsigmoid(margin).mean().item()
+    assert margin.abs().min() > 1e-3  # no pair at ln 2: a pair split or swapped changes the loss
+    (padded, pad_grads), (packed, pack_grads) = run["dpo_0"], run[f"dpo_{DPO_BUDGET}"]
+    assert padded["loss/dpo"] == pytest.approx(by_hand, abs=1e-5)
+    for key in ("loss/dpo", "dpo/accuracy", "dpo/margin", "dpo/chosen_reward", "dpo/rejected_reward"):
+        assert packed[key] == pytest.approx(padded[key], abs=1e-5), key
+    assert pad_grads.keys() == pack_grads.keys() and any(g.abs().sum() > 0 for g in pad_grads.values())
+    for name, grad in pad_grads.items():
+        torch.testing.assert_close(pack_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
 def test_token_budget_microbatches_hold_every_row_once_within_the_budget():

@@ -44,6 +44,24 @@ def test_gpu_model_refused_where_there_is_no_gpu(tmp_path, gsm8k_dir):
     assert set(os.listdir(tmp_path / "run")) <= {"hydra"}
 
 
+@pytest.mark.parametrize("experiment, override, section", [
+    ("quickstart", "data.from_env.num_train=3", "from_env: {num_train: 3}"),  # null in the quickstart
+    ("gsm8k_grpo", "model.tiny.hidden_size=32", "tiny: {hidden_size: 32}"),
+])
+def test_a_key_of_a_null_section_names_it_and_the_yaml_to_write(tmp_path, experiment, override, section):
+    """OmegaConf cannot merge into a null section: Hydra printed its assert's whole traceback."""
+    result = launch(f"+experiment={experiment}", override, f"run.output_dir={tmp_path}/run", timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert f"rft: config error: {override}: " in result.stderr and section in result.stderr
+    assert "Traceback" not in result.stderr and "HYDRA_FULL_ERROR" not in result.stderr
+
+
+def test_another_error_on_a_command_line_with_such_a_key_is_still_hydras_short_report(tmp_path):
+    result = launch("+experiment=quickstart", "data.arithmetic.nope=3", f"run.output_dir={tmp_path}/run", timeout=120)
+    assert result.returncode == 1 and "Key 'nope' not in 'ArithmeticTaskConfig'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_missing_dataset_stops_before_launch(tmp_path):
     result = launch("+experiment=quickstart", "data.arithmetic=null", f"data.train_path={tmp_path}/no.jsonl",
                     f"run.output_dir={tmp_path}/run", timeout=120)

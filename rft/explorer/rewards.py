@@ -24,7 +24,9 @@ killed. It is forked (not spawned) so that any callable works, including rewards
 tests or scripts, and so that a restart after a timeout costs milliseconds, not a fresh import of
 sympy. The child only runs the reward: it never touches CUDA, vLLM or sockets it inherited, and
 if a lock inherited from another thread ever deadlocks it, that shows up as a timeout, the child is
-killed and a fresh one is forked. Linux only (fork). Async rewards run on the caller's event loop
+killed and a fresh one is forked. Nor does it hold the parent's files: every descriptor it
+inherited is pointed at /dev/null (a pipe of a subprocess another thread was starting would
+otherwise stay open while the child lives). Linux only (fork). Async rewards run on the caller's event loop
 instead (they wait on I/O; `asyncio.wait_for` bounds them), so they must not block it.
 """
 
@@ -36,6 +38,7 @@ import logging
 import math
 import multiprocessing
 import numbers
+import os
 import signal
 import threading
 from multiprocessing.connection import Connection
@@ -195,6 +198,7 @@ def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
     A request is (args, batch): a batch call returns one reward per sample."""
     # Our copy of the parent's end would keep the pipe open and hide the parent's exit from us.
     parent_end.close()
+    _let_go_of_inherited_files(keep={0, 1, 2, conn.fileno()})
     # Ctrl-C reaches the whole process group; the parent handles it and kills us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
@@ -208,6 +212,26 @@ def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
         except Exception as exc:  # the reward's own bug or bad input: report it, keep serving
             reply = ("error", type(exc).__name__, str(exc))
         conn.send(reply)
+
+
+def _let_go_of_inherited_files(keep: set[int]) -> None:
+    """Point every file descriptor the fork copied from the parent, but `keep`, at /dev/null.
+
+    The parent's other threads may be starting a subprocess at the moment of the fork (the
+    calculator's sandbox): our copy of its pipes would hold them open for as long as this process
+    lives, and subprocess.Popen reads its exec-status pipe until every writer is gone, so the tool
+    call hung for good (gsm8k_tool on CPU). dup2 over them rather than close: a Python object
+    inherited from the parent may still close its number one day, and must not close a file the
+    reward has opened since under that number."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd not in keep and fd != devnull:
+            try:
+                os.dup2(devnull, fd)
+            except OSError:  # the descriptor that listed the directory, closed since
+                pass
+    os.close(devnull)
 
 
 class _Child:

@@ -225,3 +225,25 @@ def test_reward_that_kills_its_process_counts_as_error_and_scoring_goes_on():
     with RewardScorer(me("crashy"), timeout_s=5) as scorer:
         assert scored(scorer, ["crash", "fine"], ["a", "a"]) == [0.0, 1.0]
         assert (scorer.errors, scorer.timeouts) == (1, 0)
+
+
+def test_the_reward_process_holds_no_pipe_of_the_parent_open():
+    """The scorer forks its reward process while other threads of the rollout rank may be starting
+    a subprocess (the calculator's sandbox): a copy of that subprocess's pipes kept by the reward
+    process held them open as long as it lived, and subprocess.Popen, which reads its exec-status
+    pipe until every writer is gone, hung the tool call for good (gsm8k_tool, seen on CPU)."""
+    import select
+
+    read_end, write_end = os.pipe()  # as Popen's pipe is while its child starts
+    try:
+        with RewardScorer("exact_match", timeout_s=5) as scorer:
+            assert scored(scorer, ["a"], ["a"]) == [1.0]  # the reward process is forked here
+            os.close(write_end)
+            write_end = None
+            ready, _, _ = select.select([read_end], [], [], 5.0)
+            assert ready and os.read(read_end, 1) == b"", "the reward process holds the pipe's write end"
+            assert scored(scorer, ["b"], ["a"]) == [0.0]  # and it still scores
+    finally:
+        os.close(read_end)
+        if write_end is not None:
+            os.close(write_end)

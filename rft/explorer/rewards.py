@@ -41,6 +41,7 @@ import numbers
 import os
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -255,7 +256,7 @@ class _Child:
                 return None
             return self.conn.recv()
         except (EOFError, OSError):  # the process died (segfault, os._exit, OOM kill)
-            self.proc.join(timeout=5)
+            self._wait(5)
             return ("error", "RewardProcessDied",
                     f"reward process exited with code {self.proc.exitcode}")
 
@@ -263,15 +264,23 @@ class _Child:
         self.conn.close()
         if self.proc.is_alive():
             self.proc.kill()
-        self.proc.join(timeout=5)
+        self._wait(5)
 
     def close(self) -> None:
         """Ask the child to exit (EOF), and kill it if it does not."""
         self.conn.close()
-        self.proc.join(timeout=1)
+        self._wait(1)
         if self.proc.is_alive():
             self.proc.kill()
-            self.proc.join(timeout=5)
+            self._wait(5)
+
+    def _wait(self, timeout_s: float) -> None:
+        """Until the process has ended (and is reaped) or `timeout_s` have passed. Not
+        Process.join(timeout): that waits on the exit sentinel, a pipe the child let go of with
+        its other inherited files, and then blocks in waitpid for as long as the child lives."""
+        deadline = time.monotonic() + timeout_s
+        while self.proc.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.005)
 
 
 class RewardScorer:

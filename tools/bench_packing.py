@@ -64,10 +64,10 @@ def main() -> None:
 
     from rft.cluster import free_port
     from rft.config import AlgorithmConfig
-    from rft.trainer.microbatches import microbatches
+    from rft.trainer.dpo_step import dpo_step
+    from rft.trainer.microbatches import microbatches, pair_microbatches
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.dpo_step import dpo_step
     from rft.trainer.train_step import StepBatch, train_step
     from rft.weights.convert import load_hf_weights
 
@@ -102,9 +102,7 @@ def main() -> None:
         """The rows of each microbatch, as the step makes them (DPO: whole pairs)."""
         if args.step == "grpo":
             return microbatches(list(range(len(lengths))), lengths, micro, budget)
-        pair_lengths = [lengths[2 * p] + lengths[2 * p + 1] for p in range(len(lengths) // 2)]
-        return [[r for p in b for r in (2 * p, 2 * p + 1)]
-                for b in microbatches(list(range(len(pair_lengths))), pair_lengths, max(1, micro // 2), budget)]
+        return pair_microbatches(list(range(len(lengths) // 2)), lengths, micro, budget)
 
     results = {}
     for name, micro, budget in (("padded", args.micro_batch, 0), ("packed", args.micro_batch, args.budget)):

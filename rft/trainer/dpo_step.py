@@ -16,7 +16,7 @@ from rft.algorithms.policy_losses import dpo_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
-from rft.trainer.microbatches import microbatches
+from rft.trainer.microbatches import pair_microbatches
 from rft.trainer.pipeline import forward_logprobs_pipelined
 from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
 
@@ -29,11 +29,8 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
              pad_id: int, max_tokens_per_microbatch: int = 0) -> dict[str, float]:
     dp_rank, dp_size, _ = _dp()
     pairs = list(range(dp_rank, len(batch.prompt_ids) // 2, dp_size))
-    # a pair is the unit of a microbatch: its length is its two rows' together
-    pair_lengths = [sum(len(batch.prompt_ids[r]) + len(batch.response_ids[r]) for r in (2 * p, 2 * p + 1))
-                    for p in range(len(batch.prompt_ids) // 2)]
-    pair_chunks = microbatches(pairs, pair_lengths, max(1, micro_batch_size // 2), max_tokens_per_microbatch)
-    chunks = [[r for p in chunk for r in (2 * p, 2 * p + 1)] for chunk in pair_chunks]
+    lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+    chunks = pair_microbatches(pairs, lengths, micro_batch_size, max_tokens_per_microbatch)
     device = next(model.parameters()).device
     packed = max_tokens_per_microbatch > 0
     mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device,

@@ -8,7 +8,8 @@ With a token budget a microbatch holds as many rows as fit, back to back in one 
 (rft/trainer/forward.py), so no compute goes to padding and a microbatch's memory is bounded by
 the budget, not by a row count times the longest row. Rows are placed longest first into the
 first microbatch with room (first-fit decreasing: few, full microbatches); a row longer than the
-budget gets a microbatch of its own.
+budget gets a microbatch of its own. DPO's preference pairs go into microbatches whole
+(`pair_microbatches`): the loss needs both rows of a pair.
 """
 
 from __future__ import annotations
@@ -42,3 +43,12 @@ def microbatches(rows: list[int], lengths: list[int], micro_batch_size: int, max
             bins[fits].append(row)
             room[fits] -= lengths[row]
     return bins
+
+
+def pair_microbatches(pairs: list[int], lengths: list[int], micro_batch_size: int, max_tokens: int) -> list[list[int]]:
+    """The rows of `pairs` (pair p is rows 2p, chosen, and 2p+1, rejected; `lengths` per row) in
+    microbatches that keep each pair whole: `micro_batch_size` rows at a time, or packed up to
+    `max_tokens` tokens each, a pair counting as its two rows' length."""
+    pair_lengths = [lengths[2 * p] + lengths[2 * p + 1] for p in range(len(lengths) // 2)]
+    return [[row for p in chunk for row in (2 * p, 2 * p + 1)]
+            for chunk in microbatches(pairs, pair_lengths, max(1, micro_batch_size // 2), max_tokens)]

@@ -4,8 +4,8 @@ A registry maps a name ("grpo", "single_turn", "grid_world", ...) to a callable 
 documented signature. Configs select a built-in by name, or point at a user's own code with a
 dotted path ("my_pkg.losses.my_loss"), which `resolve` imports and checks against the same
 signature, so a mismatch fails at launch with a message naming the path, the wrong parameters and
-the expected signature instead of a TypeError deep inside a step (DESIGN.md section 5.3; slime's
-plugin contracts, verl's `register_policy_loss` / `register_adv_est`).
+the expected signature instead of a TypeError deep inside a step (as slime's plugin contracts and
+verl's `register_policy_loss` / `register_adv_est` do).
 
 A kind may accept more than one form (`variants`: a reward takes one trajectory or a batch of
 them), require `async def` (`asynchronous`), or be a class (`is_class`: environments; the check is

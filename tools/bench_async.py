@@ -24,7 +24,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rft.monitor import read_jsonl  # noqa: E402
+from rft.runtime.monitor import read_jsonl  # noqa: E402
 
 
 def run(sft_steps: int, grpo_steps: int, offset: int, interval: int, out: str, extra: list[str]) -> dict:
@@ -58,4 +58,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/bench_async.py")  # whatever main starts ends with it

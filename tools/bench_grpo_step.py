@@ -49,7 +49,7 @@ import torch  # noqa: E402
 from bench_quickstart import print_splits, step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
-from rft.monitor import read_jsonl  # noqa: E402
+from rft.runtime.monitor import read_jsonl  # noqa: E402
 
 
 def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
@@ -190,4 +190,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/bench_grpo_step.py")  # whatever main starts ends with it

@@ -62,7 +62,7 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
     from rft.config import AlgorithmConfig
     from rft.trainer.dpo_step import dpo_step
     from rft.trainer.microbatches import microbatches, pair_microbatches

@@ -23,7 +23,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rft.monitor import read_jsonl  # noqa: E402
+from rft.runtime.monitor import read_jsonl  # noqa: E402
 
 
 def step_splits(run_dir: str, stage: str | None = None) -> list[tuple[int, dict[str, float]]]:
@@ -79,4 +79,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/bench_quickstart.py")  # whatever main starts ends with it

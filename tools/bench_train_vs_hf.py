@@ -151,7 +151,7 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
     from rft.trainer.model import init_model_parallel
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -64,7 +64,7 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
     from rft.config import AlgorithmConfig
     from rft.trainer.layer_spec import resolve_transformer_impl
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state

@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from rft.cluster import RankInfo, sync_layout  # noqa: E402
+from rft.runtime.topology import Topology, sync_layout  # noqa: E402
 from rft.config import RFTConfig  # noqa: E402
 
 SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2, 11, 12, 13], [12, 13, 14, 20, 21, 17, 30, 31, 5, 6]]
@@ -80,16 +80,14 @@ def make_config(args, model_dir: str, run_dir: str) -> RFTConfig:
     cfg.cluster.trainer_ranks = args.trainer_tp * args.trainer_pp
     cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size = args.trainer_tp, args.trainer_pp
     cfg.rollout.tensor_parallel_size = args.rollout_tp
-    cfg.cluster.rollout_ranks = args.engines  # one rank per engine off GPU nodes (rft.cluster.engine_span)
+    cfg.cluster.rollout_ranks = args.engines  # one rank per engine off GPU nodes (Topology.engine_span)
     cfg.sync.engine, cfg.sync.bucket_mb, cfg.sync.wire_dtype = args.engine, args.bucket_mb, args.wire_dtype
     cfg.sync.timeout_s = args.timeout_s
     return cfg
 
 
-def rank_info(cfg: RFTConfig, rank: int, port: int) -> RankInfo:
-    c = cfg.cluster
-    return RankInfo(rank=rank, world_size=c.trainer_ranks + c.rollout_ranks, trainer_ranks=c.trainer_ranks,
-                    rollout_ranks=c.rollout_ranks, master_addr="127.0.0.1", master_port=port)
+def rank_info(cfg: RFTConfig, rank: int, port: int) -> Topology:
+    return Topology.of(cfg, rank, "127.0.0.1", port)
 
 
 def _wait_file(path: str, timeout_s: float) -> None:
@@ -98,6 +96,14 @@ def _wait_file(path: str, timeout_s: float) -> None:
         if time.time() > deadline:
             raise TimeoutError(f"{path} did not appear in {timeout_s}s")
         time.sleep(0.001)
+
+
+def _check_trainers(trainers: list) -> None:
+    """Stop now if a trainer rank died (it printed why: a model the trainer refuses, say), instead
+    of waiting out the weight group's timeout for a sender that will never come."""
+    for rank, process in enumerate(trainers):
+        if process.exitcode not in (None, 0):
+            sys.exit(f"trainer rank {rank} exited with code {process.exitcode}; its error is above")
 
 
 def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str, repeats: int,
@@ -194,7 +200,7 @@ def main() -> None:
     if args.rollout_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # see RolloutEngine
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
 
@@ -214,6 +220,7 @@ def main() -> None:
                                            gpu_memory_utilization=0.3 / args.engines),
                              seed=0, max_model_len=64, name=f"engine {e}") for e in range(args.engines)]
     before = vllm_logprobs(engines[0])
+    _check_trainers(trainers)
     layout = sync_layout(cfg, rank_info(cfg, world, port + 10), torch.cuda.is_available())
     for e, engine in enumerate(engines):
         engine.open_weight_receiver(layout, e * args.rollout_tp)
@@ -228,6 +235,7 @@ def main() -> None:
         # even syncs load into vLLM (the real path); odd ones are received and discarded,
         # which times export + packing + the wire alone
         into_vllm = k % 2 == 0 or args.engine == "checkpoint"
+        _check_trainers(trainers)
         open(os.path.join(scratch, f"ready{k}"), "w").close()
         tail_s = max(on_every_engine(lambda engine: engine.receive_weights(apply=into_vllm)))
         done = time.time()
@@ -269,4 +277,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/bench_weight_sync.py")  # whatever main starts ends with it

@@ -6,7 +6,7 @@
 The run: the quickstart shortened (30 SFT steps, then 2 GRPO steps per fault + 4), on two trainer
 ranks (TP 2) and one rollout rank, a checkpoint every 2 steps, `sync.timeout_s=60` (a hang becomes
 an error within that). Each launch carries the next fault of the schedule; faults that end a
-launch are acted out inside the run by rft/faults.py (a rank SIGKILLed or SIGSTOPped during
+launch are acted out inside the run by rft/runtime/faults.py (a rank SIGKILLed or SIGSTOPped during
 generation, a train step, a weight sync or a checkpoint save; a checkpoint that finds no room)
 or from outside by this script (every process of the job SIGKILLed: a node failure; SIGUSR2 to
 every rank: the time limit). A torn shard (`corrupt_shard`) is repaired inside the run, so that
@@ -133,6 +133,20 @@ def resumed_from(run_dir: str, log: str) -> int:
     return int(match.group(1)) if match else 0
 
 
+def stop_launch(launcher: subprocess.Popen, grace_s: float = 30.0) -> None:
+    """End a launch in its own session (start_new_session, so a fault can kill it whole): SIGTERM
+    lets the launcher cancel its job and stop its ranks; SIGKILL what is left after `grace_s`."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGTERM)
+    try:
+        launcher.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(launcher.pid, signal.SIGKILL)
+    launcher.wait()
+
+
 def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[str, int]], run_dir: str,
            cluster: str) -> dict:
     """One launch to its end, acting out the `outside` faults (kind, step) in turn; what it did:
@@ -142,15 +156,17 @@ def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[s
         launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *args], cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
         acted_at, todo = None, list(outside)
-        while launcher.poll() is None:
-            if todo and progress_step(run_dir) >= todo[0][1]:
-                act_from_outside(todo.pop(0)[0], launcher, run_dir, log, cluster)
-                acted_at = time.time()
-            if time.time() - start > 900:
-                os.killpg(launcher.pid, signal.SIGTERM)
-                launcher.wait()
-                raise RuntimeError(f"a launch ran past 900 s; see {log}")
-            time.sleep(0.2)
+        try:
+            while launcher.poll() is None:
+                if todo and progress_step(run_dir) >= todo[0][1]:
+                    act_from_outside(todo.pop(0)[0], launcher, run_dir, log, cluster)
+                    acted_at = time.time()
+                if time.time() - start > 900:
+                    raise RuntimeError(f"a launch ran past 900 s; see {log}")
+                time.sleep(0.2)
+        finally:
+            if launcher.poll() is None:  # this tool is ending (an error, Ctrl-C): so does the launch
+                stop_launch(launcher)
     ended = time.time()
     with open(log) as f:
         text = f.read()
@@ -163,7 +179,7 @@ def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[s
 
 
 def fault_times(run_dir: str) -> dict[tuple[str, int], float]:
-    """When each in-run fault struck (rft/faults.py's record), by (kind, step)."""
+    """When each in-run fault struck (rft/runtime/faults.py's record), by (kind, step)."""
     path = os.path.join(run_dir, "faults.jsonl")
     times = {}
     for line in open(path).read().splitlines() if os.path.exists(path) else []:
@@ -175,7 +191,7 @@ def fault_times(run_dir: str) -> dict[tuple[str, int], float]:
 def check_run(run_dir: str, grpo_steps: int) -> dict[str, int]:
     """Experience lost (steps whose shard was not consumed exactly once) and metric gaps."""
     from rft.buffer.shards import ExperienceBuffer
-    from rft.monitor import read_jsonl
+    from rft.runtime.monitor import read_jsonl
 
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"))
     expected = {f"step{s:08d}-p{ROLLOUT:03d}.parquet" for s in range(SFT_STEPS, SFT_STEPS + grpo_steps)}
@@ -203,7 +219,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     from rich.console import Console
     from rich.table import Table
 
-    from rft.checkpoint import newest_complete
+    from rft.runtime.checkpoint import newest_complete
 
     console = Console()
     out = args.out or tempfile.mkdtemp(prefix="rft-chaos-")
@@ -303,4 +319,6 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/chaos.py")  # whatever main starts ends with it

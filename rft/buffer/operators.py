@@ -1,5 +1,5 @@
 """Experience operators: what happens to experience between the workflow and the buffer
-(`buffer.operators`, applied in order to each generation round of a step; rft/data/config.py
+(`buffer.operators`, applied in order to each generation round of a step; rft/config/data.py
 shows the entry format).
 
 Registry EXPERIENCE_OPERATORS, signature
@@ -24,35 +24,12 @@ import dataclasses
 import inspect
 import math
 import re
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from rft.buffer.experience import Experience
-from rft.registry import Registry
+from rft.buffer.operator_registry import EXPERIENCE_OPERATORS, OperatorContext, groups_of
 
-EXPERIENCE_OPERATORS = Registry("experience operator", params=("experiences",),
-                                returns="list[Experience] (the rows kept, rewards possibly reshaped)")
-
-
-@dataclass
-class OperatorContext:
-    """What an operator may need beyond the rows (passed to operators with a `ctx` parameter)."""
-
-    run_dir: str = ""
-    step: int = 0  # the explorer step (global) these rows belong to
-    engine: int = 0
-    decode: Callable[[list[int]], str] = field(default=lambda ids: "", repr=False)  # token ids -> text
-
-
-def groups_of(experiences: list[Experience]) -> dict[str, list[Experience]]:
-    """Rows by group, groups in order of first appearance."""
-    groups: dict[str, list[Experience]] = defaultdict(list)
-    for e in experiences:
-        groups[e.group_id].append(e)
-    return groups
-
+__all__ = ["EXPERIENCE_OPERATORS", "OperatorContext", "OperatorPipeline", "groups_of"]
 
 # ---- filters -----------------------------------------------------------------------------------
 
@@ -194,4 +171,6 @@ class OperatorPipeline:
         return scalars
 
 
-from rft.buffer import review as _review  # noqa: E402,F401  registers "review" (it routes groups to a person)
+# the `review` operator lives with the rest of human review and registers itself when imported;
+# importing it here gives every user of this module the whole registry
+from rft.buffer import review as _review  # noqa: E402,F401

@@ -33,8 +33,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
-from rft.data.config import ReplayConfig
-from rft.monitor import append_jsonl, drop_from_step
+from rft.config import ReplayConfig
+from rft.runtime.monitor import append_jsonl, drop_from_step
 from rft.registry import Registry
 
 PRIORITIES = Registry("replay priority", params=("entry", "step", "config"), returns="float (0: not eligible)")

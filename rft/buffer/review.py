@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import pyarrow as pa
 
 from rft.buffer.experience import Experience, to_table
-from rft.buffer.operators import EXPERIENCE_OPERATORS, OperatorContext, groups_of
+from rft.buffer.operator_registry import EXPERIENCE_OPERATORS, OperatorContext, groups_of
 
 REVIEW_REASONS = ("flagged", "disagree", "sample", "always")
 

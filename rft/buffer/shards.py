@@ -34,7 +34,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from rft import faults
+from rft.runtime import faults
 from rft.runtime.storage import fsync_dir, written_whole_or_not_at_all
 
 MANIFEST = "manifest.jsonl"
@@ -385,7 +385,7 @@ class ExperienceBuffer:
         """Return `producer`'s shards of step >= `from_step` that were consumed, claimed or set
         aside as stale to the pool. A trainer resumed from the checkpoint of step `from_step`
         trains those steps again; with `sync.offset` the explorer wrote them before its own
-        checkpoint, so it does not write them again (rft/schedule.py). Returns the ready names."""
+        checkpoint, so it does not write them again (rft/runtime/schedule.py). Returns the ready names."""
         reopened = []
         for name in sorted(os.listdir(self.root)):
             m = re.match(r"^(step(\d{8,})-p(\d{3,})\.(?:parquet|arrow))\.(?:done|stale|claimed-c\d+)$", name)

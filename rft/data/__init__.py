@@ -1,2 +1,3 @@
 """Tasksets and what chooses and cleans them before exploration: readers, cursors, selectors,
-task operators (DESIGN.md section 8: data apart from experience, which lives in rft/buffer/)."""
+task operators. Tasks (what to explore) live here, apart from experience (what exploring produced),
+which lives in rft/buffer/."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from rft.data.config import JudgeDifficultyConfig
+from rft.config import JudgeDifficultyConfig
 from rft.data.taskset import Task
 from rft.runtime.storage import write_text_atomic
 

@@ -1,7 +1,7 @@
 """Task selectors: which tasks each rollout step explores (`data.selector`).
 
 Registry SELECTORS; an entry is a class built as `cls(tasks, seed, config)` (`config`: the stage's
-rft.data.config.SelectorConfig; a user's selector reads its options from `config.args`) with
+rft.config.data.SelectorConfig; a user's selector reads its options from `config.args`) with
 
     next_batch(n) -> list[Task]              the next n tasks (called once per generation round)
     observe(task_ids, rewards) -> None       every sampled trajectory's reward, as the explorer sees it
@@ -34,7 +34,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rft.data.config import SelectorConfig
+from rft.config import SelectorConfig
 from rft.data.taskset import Task, TaskCursor
 from rft.registry import Registry
 

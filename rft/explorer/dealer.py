@@ -1,9 +1,9 @@
 """Dealing a batch's tasks to the job's engines by load, and collecting what the engines report.
 
-Every engine (one per rollout group, rft/cluster.py) holds the same tasks in the same order: each
+Every engine (one per rollout group, rft/runtime/topology.py) holds the same tasks in the same order: each
 reads the taskset and draws a step's batch from an identically seeded cursor. A task is therefore
 named by its index in the batch alone, and dealing it is one atomic counter in the control group's
-store (rft/preemption.py, hosted by rank 0):
+store (rft/runtime/preemption.py, hosted by rank 0):
 
     engine e, whenever it has room:  i = store.add("<batch>", 1) - 1;  run task i if i < n
 

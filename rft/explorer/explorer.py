@@ -7,7 +7,7 @@
             experiences = workflow(task) x group_size for each task   # vLLM, env, reward
             selector.observe(rewards); experiences = operators(experiences)   # rft/buffer/operators.py
             buffer.write(experiences)
-            for each trainer step this step meets:       # rft/schedule.py (sync.offset)
+            for each trainer step this step meets:       # rft/runtime/schedule.py (sync.offset)
                 vote at its control point                 # stop? checkpoint? (rft/runtime/control.py)
                 receive the weights the trainer published after it, if it did
         evaluate (stage end)
@@ -20,19 +20,20 @@ import shutil
 import time
 import torch
 
-from rft import faults
+from rft.runtime import faults
 from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.experience import Experience, to_table
 from rft.buffer.operators import OperatorContext, OperatorPipeline
 from rft.buffer.shards import ExperienceBuffer
-from rft.data.config import operator_specs
+from rft.config import operator_specs
 from rft.data.context_fit import ContextFit
 from rft.data.judge_difficulty import DifficultyScores, ask_judges, score_tasks, scores_path
 from rft.data.selectors import SELECTORS, build_selector
-from rft.data.taskset import Task, read_stage_tasks, row_scalars
-from rft.checkpoint import Resume
-from rft.cluster import RankInfo, engine_count, engine_index, engine_leaders, losable_members, sync_layout
-from rft.config import RFTConfig, adapter_sync, context_length, needs_rollouts, vllm_lora_rank
+from rft.data.stage_tasks import read_stage_tasks
+from rft.data.taskset import Task, row_scalars
+from rft.runtime.checkpoint import Resume
+from rft.runtime.topology import Topology, sync_layout
+from rft.config import RFTConfig, adapter_sync, needs_rollouts, vllm_lora_rank
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.judge import JudgeClient
@@ -41,29 +42,29 @@ from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.runner import Outcome, WorkflowRunner
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
-from rft.monitor import append_jsonl, drop_from_step, eval_path
-from rft.preemption import ControlGroup, StopFlag
+from rft.runtime.monitor import append_jsonl, drop_from_step, eval_path
+from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage, Step
 from rft.runtime.state import Value
-from rft.schedule import is_eval_step
+from rft.runtime.schedule import is_eval_step
 
 
-def run_explorer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
-    """Explore every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
+def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
+    """Explore every stage; with `resume`, start at its pending sync (rft/runtime/checkpoint.py)."""
     started = time.time()
     stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
     # one engine per rank; the job's engines share each step's tasks (rft/explorer/dealer.py)
-    engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
-                             name=f"engine {engine_index(cfg, info)}", loop=LoopThread(),
+    engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + topology.rank, topology.context_length,
+                             name=f"engine {topology.engine_index}", loop=LoopThread(),
                              max_lora_rank=vllm_lora_rank(cfg))]
     stop.install()
-    judges = _connect_judges(cfg, group) if cfg.cluster.judge_ranks else None
-    runtime = Runtime(cfg, info, group, stop, resume, f"rollout{info.rank}")
+    judges = _connect_judges(cfg, topology, group) if topology.judge_ranks else None
+    runtime = Runtime(cfg, topology, group, stop, resume, f"rollout{topology.rank}")
     # startup overlaps the trainer's first steps
     runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
                          reward_errors=0, failed_samples=0, eval_samples=0,
                          **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0} if judges else {}))
-    explorer = Explorer(cfg, info, engines, runtime, judges)
+    explorer = Explorer(cfg, topology, engines, runtime, judges)
     for stage in runtime.stages():
         explorer.begin(stage)
         for step in stage.steps():
@@ -93,12 +94,11 @@ def prune_adapters(root: str, keep: str) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _connect_judges(cfg: RFTConfig, group: ControlGroup) -> JudgeClient:
+def _connect_judges(cfg: RFTConfig, topology: Topology, group: ControlGroup) -> JudgeClient:
     """Reach the job's judge engines (rft/explorer/judge.py); they start while this rank's engine does."""
-    from rft.config import judge_span
     from rft.explorer.judge import connect
 
-    return connect(group.store, cfg.cluster.judge_ranks // judge_span(cfg), cfg.judge, cfg.sync.timeout_s)
+    return connect(group.store, topology.judge_ranks // topology.judge_span, cfg.judge, cfg.sync.timeout_s)
 
 
 class Explorer:
@@ -106,9 +106,9 @@ class Explorer:
     the job each explorer takes its share of every batch from the dealer (rft/explorer/dealer.py)
     and writes its own shard per step; engine 0 logs the evaluations, which every engine shares."""
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, engines: list[RolloutEngine], runtime: Runtime,
+    def __init__(self, cfg: RFTConfig, topology: Topology, engines: list[RolloutEngine], runtime: Runtime,
                  judges: JudgeClient | None = None):
-        self.cfg, self.info, self.engines, self.runtime, self.judges = cfg, info, engines, runtime, judges
+        self.cfg, self.topology, self.engines, self.runtime, self.judges = cfg, topology, engines, runtime, judges
         run_dir = cfg.run.output_dir
         self.buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
         runtime.group.meeting.while_waiting = self.resend_quarantined  # the trainer may wait for one
@@ -120,12 +120,12 @@ class Explorer:
             drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
         self.receiving_from: list[int] | None = None  # the engines of the weight groups this rank joined
         self.adapter: dict | None = None  # a LoRA stage's adapter syncs (begin)
-        self.engine = engine_index(cfg, info)
-        self.dealer = Dealer(runtime.group.store, self.engine, engine_count(cfg), cfg.sync.timeout_s,
-                             ranks=engine_leaders(cfg, info), tolerated=losable_members(cfg, info))
+        self.engine = topology.engine_index
+        self.dealer = Dealer(runtime.group.store, self.engine, topology.engine_count, cfg.sync.timeout_s,
+                             ranks=topology.engine_leaders, tolerated=topology.losable_ranks)
         # sample seeds name the batch, never the engine (any engine may run any task); the first
         # rollout rank's number keeps the seeds that single-engine runs had
-        self.first_rollout_rank = info.trainer_ranks
+        self.first_rollout_rank = topology.trainer_ranks
         self.runner: WorkflowRunner | None = None
         self.selector = None  # the stage's task selector (rft/data/selectors.py); None: nothing to explore
         self.observes = False  # whether the selector is told the rewards (not for shuffle, sequential, curriculum)
@@ -158,7 +158,7 @@ class Explorer:
         self.runner = WorkflowRunner(self.engines, rollout, stage.cfg.algorithm.reward, cfg.model.chat_template,
                                      self.failed_path)
         columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
-        fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, context_length(cfg.model), data.overlong)
+        fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, self.topology.context_length, data.overlong)
 
         def tasks(path: str, train: bool = False) -> list[Task]:
             cleaned_in = (cfg.run.output_dir, stage.name) if train else None  # data.operators clean the train set
@@ -227,8 +227,8 @@ class Explorer:
         sessions = self._sessions()  # rollout.openai_api: what agents outside the run finished
         experiences += sessions
         generated = time.time()
-        faults.strike("generation", step.global_step, self.info.rank, self.cfg.run.output_dir)
-        self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.info.rank,
+        faults.strike("generation", step.global_step, self.topology.rank, self.cfg.run.output_dir)
+        self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.topology.rank,
                           version=self.version.value)
         written = time.time()
         self.runtime.progress.add(rollout_s=generated - start, buffer_s=written - generated,
@@ -279,10 +279,10 @@ class Explorer:
         """Take the weights the trainer publishes now; the seconds the engines spent loading them."""
         # the engines at the vote before this sync: with rollout.on_engine_failure=continue a lost one
         # is left out, and the groups are opened anew without it (the trainer sees the same vote)
-        present = [r for r in engine_leaders(self.cfg, self.info) if r in self.runtime.group.present]
+        present = [r for r in self.topology.engine_leaders if r in self.runtime.group.present]
         if present != self.receiving_from:  # the trainer opens the groups at its first sync, not before
-            layout = sync_layout(self.cfg, self.info, torch.cuda.is_available(), present)
-            first = present.index(self.info.rank) * self.cfg.rollout.tensor_parallel_size
+            layout = sync_layout(self.cfg, self.topology, torch.cuda.is_available(), present)
+            first = present.index(self.topology.rank) * self.cfg.rollout.tensor_parallel_size
             for engine in self.engines:
                 engine.open_weight_receiver(layout, first)
             self.receiving_from = present

@@ -20,10 +20,10 @@ import socket
 import time
 from dataclasses import replace
 
-from rft.cluster import RankInfo, engine_devices, free_port
-from rft.config import RFTConfig, RolloutConfig, context_length, judge_span
+from rft.config import RFTConfig, RolloutConfig, context_length
 from rft.explorer.judge import JudgeEndpoint
-from rft.preemption import control_store
+from rft.runtime.preemption import control_store
+from rft.runtime.topology import Topology, engine_devices, free_port
 
 
 def judge_rollout_config(cfg: RFTConfig) -> RolloutConfig:
@@ -33,13 +33,13 @@ def judge_rollout_config(cfg: RFTConfig) -> RolloutConfig:
                    gpu_memory_utilization=j.gpu_memory_utilization, max_num_seqs=j.max_num_seqs)
 
 
-def run_judge(cfg: RFTConfig, info: RankInfo, poll_s: float = 2.0) -> dict:
+def run_judge(cfg: RFTConfig, topology: Topology, poll_s: float = 2.0) -> dict:
     from rft.explorer.openai_endpoint import OpenAIEndpoint
     from rft.explorer.vllm_engine import RolloutEngine
 
-    index = info.role_rank // judge_span(cfg)
+    index = topology.judge_index
     if cfg.cluster.gpus_per_node:
-        os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg, judge_span(cfg))
+        os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg.cluster, topology.judge_span)
     model = replace(cfg.model, path=cfg.judge.model or cfg.model.path)
     runner = "pooling" if cfg.judge.kind == "classify" else "generate"  # a reward model scores, never samples
     engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}",
@@ -47,7 +47,7 @@ def run_judge(cfg: RFTConfig, info: RankInfo, poll_s: float = 2.0) -> dict:
     host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
     endpoint = OpenAIEndpoint(engine, host, free_port(), secrets.token_urlsafe(32), served_name="judge")
     endpoint.start()
-    store = control_store(info, datetime.timedelta(seconds=cfg.sync.timeout_s))
+    store = control_store(topology, datetime.timedelta(seconds=cfg.sync.timeout_s))
     store.set(JudgeEndpoint.store_key(index), JudgeEndpoint(endpoint.url, endpoint.token, "judge").to_json())
     print(f"judge {index}: serving {model.path} at {endpoint.url}", flush=True)
     try:
@@ -57,4 +57,4 @@ def run_judge(cfg: RFTConfig, info: RankInfo, poll_s: float = 2.0) -> dict:
         pass
     # no orderly shutdown of the engine: a judge that hangs would hang it too; the supervising
     # task kills what is left of this rank's process group (rft/runtime/supervisor.py)
-    return {"role": "judge", "rank": info.rank, "engine": index}
+    return {"role": "judge", "rank": topology.rank, "engine": index}

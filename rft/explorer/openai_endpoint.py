@@ -2,7 +2,7 @@
 
 An agent outside the run (its own program, its own framework) talks to the policy through the
 `openai` client. The endpoint is vLLM's own server (`build_app` + `init_app_state` on the engine
-already running, DESIGN.md section 6), not an imitation: /v1/chat/completions, /v1/completions,
+already running: vLLM 0.32 serves an engine built in-process this way), not an imitation: /v1/chat/completions, /v1/completions,
 /v1/models, and the run's bearer token required on every /v1 path (vLLM's middleware). Around it:
 
     agent --POST /v1/chat/completions, header X-RFT-Session: s1 --> vLLM's server
@@ -287,7 +287,7 @@ def serve_endpoint(cfg, engine, dealer, index: int) -> OpenAIEndpoint:
     writes <run>/endpoints.json (owner-only) with every engine's URL."""
     import secrets
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
 
     token = dealer.gather("openai-token", secrets.token_urlsafe(32) if index == 0 else None)[0]
     host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()

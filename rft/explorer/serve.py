@@ -22,27 +22,27 @@ import time
 
 from rft.buffer.experience import to_table
 from rft.buffer.shards import ExperienceBuffer
-from rft.cluster import RankInfo, engine_count, engine_index
-from rft.config import RFTConfig, context_length
+from rft.config import RFTConfig
 from rft.explorer.dealer import Dealer
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
-from rft.monitor import Monitor, read_jsonl, rank_summary_path, write_json_atomic
-from rft.preemption import ControlGroup, StopFlag
+from rft.runtime.monitor import Monitor, read_jsonl, rank_summary_path, write_json_atomic
+from rft.runtime.preemption import ControlGroup, StopFlag
+from rft.runtime.topology import Topology
 from rft.weights.engines import newest_complete_version, version_dir
 
 
-def run_server(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: StopFlag) -> dict:
+def run_server(cfg: RFTConfig, topology: Topology, control: ControlGroup, stop: StopFlag) -> dict:
     started = time.time()
-    index = engine_index(cfg, info)
+    index = topology.engine_index
     stop.ignore_in_children()  # vLLM's engine process must survive Slurm's SIGUSR2
-    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + info.rank, context_length(cfg.model),
+    engine = RolloutEngine(cfg.model, cfg.rollout, cfg.seed + topology.rank, topology.context_length,
                            name=f"engine {index}", loop=LoopThread())
     stop.install()
-    endpoint = serve_endpoint(cfg, engine, Dealer(control.store, index, engine_count(cfg), cfg.sync.timeout_s), index)
+    endpoint = serve_endpoint(cfg, engine, Dealer(control.store, index, topology.engine_count, cfg.sync.timeout_s), index)
     buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-    monitor = Monitor(cfg.run.output_dir, f"serve{info.rank}")
-    step = next_step(buffer.root, info.rank)
+    monitor = Monitor(cfg.run.output_dir, f"serve{topology.rank}")
+    step = next_step(buffer.root, topology.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}
 
     def write_rewarded() -> dict[str, float]:
@@ -51,7 +51,7 @@ def run_server(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Stop
         rows = rewarded_experiences(endpoint)
         if not rows:
             return {}
-        buffer.write(to_table(rows), step=step, producer=info.rank, version=engine.version)
+        buffer.write(to_table(rows), step=step, producer=topology.rank, version=engine.version)
         sessions = len({r.trajectory_id for r in rows})
         totals["sessions"] += sessions
         totals["rows"] += len(rows)
@@ -74,13 +74,13 @@ def run_server(cfg: RFTConfig, info: RankInfo, control: ControlGroup, stop: Stop
         monitor.log(step, write_rewarded(), "serve")  # what was rewarded since the last step is kept
         monitor.close()
     endpoint.close()
-    summary = {"rank": info.rank, "role": "rollout", "mode": "serve", "steps": step, "version": engine.version,
+    summary = {"rank": topology.rank, "role": "rollout", "mode": "serve", "steps": step, "version": engine.version,
                "wall_s": time.time() - started, **totals}
-    write_json_atomic(rank_summary_path(cfg.run.output_dir, info.rank), summary)
+    write_json_atomic(rank_summary_path(cfg.run.output_dir, topology.rank), summary)
     print(f"engine {index}: served {totals['sessions']} rewarded session(s) into {step} shard(s); "
           f"weights version {engine.version}", flush=True)
     control.any(False)  # rank 0 hosts the store: every engine is done with it
-    if info.rank == 0:
+    if topology.rank == 0:
         control.finish()
     return summary
 

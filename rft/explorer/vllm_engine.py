@@ -219,7 +219,8 @@ class RolloutEngine:
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:
             # On CPU "gpu_memory_utilization" is a share of the NUMA node's RAM; size the KV cache
-            # directly instead (DESIGN.md section 6) and skip compilation, which only costs start-up.
+            # directly instead (the default 0.92 of a node's RAM fails to allocate) and skip compilation,
+            # which only costs start-up.
             kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gb * 2**30)
             kwargs["enforce_eager"] = True
             # vLLM CPU (0.32) kills its engine when a seeded request's prefill is split across

@@ -1,6 +1,6 @@
 """The plumbing around a rank's loop, so the loop itself reads as the algorithm:
 
-    runtime = Runtime(cfg, info, group, stop, resume, "trainer0")
+    runtime = Runtime(cfg, topology, group, stop, resume, "trainer0")
     for stage in runtime.stages():                   # a resumed run re-enters where it saved
         for step in stage.steps():                   # step.resumed: done before the checkpoint
             ... the algorithm: scalars of the step ...
@@ -10,11 +10,11 @@
             runtime.log(stage, step, scalars)
     return runtime.finish({...})
 
-A control point is where every rank of the job meets once per trainer step (rft/preemption.py's
+A control point is where every rank of the job meets once per trainer step (rft/runtime/preemption.py's
 ControlGroup): they vote whether Slurm asked them to stop (SIGUSR2) and whether a checkpoint is
 due (trainer.save_every_min, trainer.save_interval); if so, every rank saves its tracked state
 (rft/runtime/state.py) for the same step, and on a stop rank 0 requeues the job. The trainer
-meets its own steps; the explorer meets the trainer steps its step pairs with (rft/schedule.py).
+meets its own steps; the explorer meets the trainer steps its step pairs with (rft/runtime/schedule.py).
 A checkpoint holds each rank's step up to its control point; the weight sync after it is the
 first thing a resumed run does (`point.publishes` is then always true).
 """
@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from rft.checkpoint import Resume, SaveClock, record_stand_ins
-from rft.cluster import RankInfo
+from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
+from rft.runtime.topology import Topology
 from rft.config import RFTConfig, stage_configs
-from rft.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
-from rft.preemption import ControlGroup, StopFlag, requeue_or_stop
+from rft.runtime.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
+from rft.runtime.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.runtime.state import Progress, RankState
-from rft.schedule import paired_trainer_steps, publishes_after
+from rft.runtime.schedule import paired_trainer_steps, publishes_after
 
 
 @dataclass
@@ -46,10 +46,10 @@ class Step:
 class Runtime:
     """One rank's position, checkpoints, votes and logs (see the module docstring)."""
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None,
+    def __init__(self, cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None,
                  rank_name: str, monitor: bool = True):
-        self.cfg, self.info, self.group, self.stop = cfg, info, group, stop
-        self.state = RankState(cfg.run.output_dir, info.rank, resume)
+        self.cfg, self.topology, self.group, self.stop = cfg, topology, group, stop
+        self.state = RankState(cfg.run.output_dir, topology.rank, resume)
         self.progress = self.state.track("progress", Progress())
         self.resumed_at = self.progress.global_step if self.state.resuming else None
         self.monitor = Monitor(cfg.run.output_dir, rank_name, self.resumed_at) if monitor else None
@@ -89,7 +89,7 @@ class Runtime:
         self.group.any(False)  # every rank's file is written: the checkpoint is complete
         absent = [r for r in self.group.members if r not in self.group.present]
         if absent:  # engines lost (rollout.on_engine_failure=continue): complete once rank 0 names stand-ins
-            if self.info.rank == 0:
+            if self.topology.rank == 0:
                 engines = [r for r in self.group.present if r in self.group.meeting.tolerated]
                 record_stand_ins(self.cfg.run.output_dir, done, {r: engines[0] for r in absent})
             self.group.any(False)
@@ -98,12 +98,12 @@ class Runtime:
         self.clock.saved()
 
     def finish(self, summary: dict) -> dict:
-        """Close the logs and write this rank's summary (rft/report.py reads it)."""
+        """Close the logs and write this rank's summary (rft/launch/report.py reads it)."""
         if self.monitor is not None:
             self.monitor.close()
-        out = {"rank": self.info.rank, "steps": self.progress.global_step, "wall_s": self.progress.elapsed_s,
+        out = {"rank": self.topology.rank, "steps": self.progress.global_step, "wall_s": self.progress.elapsed_s,
                "skipped_rows": self.progress.rows, "peak_rss_gb": peak_rss_gb(), **self.progress.totals, **summary}
-        write_json_atomic(rank_summary_path(self.cfg.run.output_dir, self.info.rank), out)
+        write_json_atomic(rank_summary_path(self.cfg.run.output_dir, self.topology.rank), out)
         return out
 
 
@@ -126,7 +126,7 @@ class Stage:
 
     def control_points(self, step: Step, role: str) -> list[ControlPoint]:
         """The trainer steps `step` meets: the trainer its own; the explorer those paired with it
-        (rft/schedule.py). A resumed step has met them up to the one its checkpoint came from."""
+        (rft/runtime/schedule.py). A resumed step has met them up to the one its checkpoint came from."""
         steps = [step.index] if role == "trainer" else paired_trainer_steps(self.runtime.cfg, self.cfg, step.index)
         if step.resumed:
             steps = [t for t in steps if t >= self._voted]

@@ -2,7 +2,7 @@
 
 A meeting is a barrier that carries a payload: every member posts under the meeting's key and
 waits until every other member has posted or is *lost*. A rank is lost once the task process that
-supervised it (rft/job.py) marks it in the store after it died or failed (`rft-lost/<rank>`, with
+supervised it (rft/runtime/task.py) marks it in the store after it died or failed (`rft-lost/<rank>`, with
 how it ended). What a lost member means depends on the run:
 
     members the run may lose (`tolerated`: the engine leaders with rollout.on_engine_failure=continue)

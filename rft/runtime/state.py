@@ -2,7 +2,7 @@
 
 A rank `track`s each component that must survive a restart (its position in the run, the model,
 the optimizer, a taskset cursor, the engine's weights version, ...). One `save(done)` writes all
-of them into the rank's file of checkpoint `step<done>` (rft/checkpoint.py); on a resumed run,
+of them into the rank's file of checkpoint `step<done>` (rft/runtime/checkpoint.py); on a resumed run,
 `track` hands each component its saved state as it is created. Components that live for one stage
 (an optimizer, a cursor) are restored only in the stage the checkpoint was taken in (torchtitan's
 `Stateful` + one checkpoint point, instead of untyped dicts read back by string key).
@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from rft.checkpoint import Resume, save_rank_state
+from rft.runtime.checkpoint import Resume, save_rank_state
 
 
 class Stateful(Protocol):

@@ -1,7 +1,7 @@
 """Writing a file so that a failure leaves nothing torn behind, and a full disk says so.
 
 Checkpoints and experience shards are written under a temporary name and renamed into place
-(rft/checkpoint.py, rft/buffer/shards.py). When the write fails, the temporary file goes too: a
+(rft/runtime/checkpoint.py, rft/buffer/shards.py). When the write fails, the temporary file goes too: a
 full filesystem must not be made fuller by half-written files, nor leave one a later run could
 mistake for data. A full filesystem, an exhausted quota and a file-size limit (`ulimit -f`) end the
 rank with a StorageFullError naming the file and saying what to do; launching again after space is

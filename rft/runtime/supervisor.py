@@ -27,6 +27,7 @@ import pickle
 import signal
 import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -91,9 +92,10 @@ def death_message(who: str, status: int, peak_gib: float, oom_before: int | None
     return f"{who} was killed by {name} (signal {signum}; {memory})"
 
 
-def run_supervised(work: Callable[[], Any], who: str) -> Any:
+def run_supervised(work: Callable[[], Any], who: str, leftovers_grace_s: float = 0.0) -> Any:
     """Run `work()` in a forked child; return its result or re-raise its exception here (with the
-    child's traceback attached), or raise RankKilledError naming how it died."""
+    child's traceback attached), or raise RankKilledError naming how it died. What the child left
+    in its process group is killed (after SIGTERM and `leftovers_grace_s` seconds, if given)."""
     # the outcome goes through a file, not a pipe: processes the rank forks (vLLM's) would inherit a
     # pipe's write end and hold it open after the rank died
     fd, outcome_path = tempfile.mkstemp(prefix="rft-rank-", suffix=".pkl")
@@ -103,7 +105,7 @@ def run_supervised(work: Callable[[], Any], who: str) -> Any:
     if pid == 0:  # the child: the rank itself
         _die_with_parent()
         os.setpgid(0, 0)  # its descendants share this group: see _kill_leftovers
-        # until the rank installs its own handlers (rft/preemption.py): SIGUSR2's default would
+        # until the rank installs its own handlers (rft/runtime/preemption.py): SIGUSR2's default would
         # kill it, and submitit's handler inherited from this process would requeue on its own
         signal.signal(signal.SIGUSR2, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -120,7 +122,7 @@ def run_supervised(work: Callable[[], Any], who: str) -> Any:
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-    _kill_leftovers(pid)
+    _kill_leftovers(pid, leftovers_grace_s)
     try:
         with open(outcome_path, "rb") as f:
             payload = f.read()
@@ -140,7 +142,7 @@ def run_supervised(work: Callable[[], Any], who: str) -> Any:
         raise err
     if os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0:
         # the rank left on purpose without a result: Slurm is requeueing the job (StopFlag in
-        # rft/preemption.py); leave alike, so the launcher keeps following the requeued job
+        # rft/runtime/preemption.py); leave alike, so the launcher keeps following the requeued job
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
@@ -169,12 +171,34 @@ def _run_and_record(work: Callable[[], Any], outcome_path: str) -> int:
     return 0 if outcome[0] == "ok" else 1
 
 
-def _kill_leftovers(group: int) -> None:
-    """SIGKILL what is left of the rank's process group after the rank ended."""
+def _kill_leftovers(group: int, grace_s: float = 0.0) -> None:
+    """End what is left of a process group after its leader ended: SIGTERM first when given a
+    grace period (a launcher then cancels its job and stops its ranks), SIGKILL for what remains."""
+    if grace_s > 0:
+        deadline = time.monotonic() + grace_s
+        try:
+            os.killpg(group, signal.SIGTERM)
+            while time.monotonic() < deadline:
+                time.sleep(0.1)
+                os.killpg(group, 0)  # ProcessLookupError once the group is empty
+        except (ProcessLookupError, PermissionError):
+            return  # nothing left
     try:
         os.killpg(group, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass  # nothing left
+
+
+def run_tool(main: Callable[[], Any], name: str, grace_s: float = 15.0) -> None:
+    """A tool's entry point (tools/*.py): `main()` runs supervised as a rank does, so whatever it
+    started (vLLM's engine process, trainer processes, launches and their ranks) ends when it
+    ends, on every path: a return, an exception, `sys.exit`, a Ctrl-C, a kill of the tool's child.
+    Left running, vLLM's engine process would hold gigabytes and the tool's stdout, so that
+    `python tools/x.py | tail -1` never returned. Exit status and exceptions are the tool's own."""
+    try:
+        run_supervised(main, name, leftovers_grace_s=grace_s)
+    except RankKilledError as err:
+        sys.exit(str(err))  # it names the tool and how it died
 
 
 def _forward(pid: int, signum: int) -> None:

@@ -15,7 +15,7 @@ from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
 from rft.data.taskset import Task, TaskCursor
-from rft.cluster import RankInfo
+from rft.runtime.topology import Topology
 from rft.explorer.chat_format import chat_format, conversation_ids
 from rft.explorer.prompts import format_prompt, reference_response
 from rft.trainer.train_step import StepBatch
@@ -94,10 +94,10 @@ class ExperienceReader:
     With `replay` (buffer.replay) and `review` (a `review` operator), rank 0 adds groups trained
     before and groups a person labelled (rft/buffer/replay.py, rft/buffer/review.py)."""
 
-    def __init__(self, buffer: ExperienceBuffer, info: RankInfo, wait_timeout_s: float, poll_s: float,
+    def __init__(self, buffer: ExperienceBuffer, topology: Topology, wait_timeout_s: float, poll_s: float,
                  producers: list[int] | None = None, lost: Callable[[list[int]], object] | None = None,
                  replay: ReplayPool | None = None, review: ReviewIntake | None = None):
-        self.buffer, self.info, self.wait_timeout_s, self.poll_s = buffer, info, wait_timeout_s, poll_s
+        self.buffer, self.topology, self.wait_timeout_s, self.poll_s = buffer, topology, wait_timeout_s, poll_s
         self.producers, self.lost = producers, lost  # lost(missing): producers gone for good (engines lost)
         self.replay, self.review = replay, review
         self.claims: list = []
@@ -107,7 +107,7 @@ class ExperienceReader:
         """Trainer step `step`'s rows (every trainer rank gets the same)."""
         start = time.time()
         payload = [None]
-        if self.info.rank == 0:
+        if self.topology.rank == 0:
             self.claims = self._claim()
             fresh = pa.concat_tables([c.table for c in self.claims])
             tables, scalars = [fresh], {}
@@ -118,7 +118,7 @@ class ExperienceReader:
                     scalars.update(counts)
             table = pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else fresh
             payload = [(table, fresh.num_rows, scalars)]
-        if self.info.trainer_ranks > 1:
+        if self.topology.trainer_ranks > 1:
             dist.broadcast_object_list(payload, src=0)
         table, fresh_rows, scalars = payload[0]
         waited = self.claims[0].waited_s if self.claims else 0.0

@@ -17,7 +17,7 @@ Tensor parallelism (no sequence parallelism), following the layer's own split:
 A of a column layer is drawn from one generator seeded by the layer's global name, and a row
 layer's A is that full draw's column shard, so any TP x PP layout starts from the same adapters
 (TP=2 equals TP=1). Why not PEFT: it wraps torch.nn.Linear, and Megatron's parallel layers are
-not; Megatron-Bridge's LoRA needs a newer megatron-core than Python 3.11 allows (DESIGN.md).
+not; Megatron-Bridge's LoRA needs a newer megatron-core than 0.16, the newest for Python 3.11.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rft.trainer.model import collective_device
-from rft.trainer.optimizer import LossScale, StepResult
+from rft.trainer.optimizer_contract import LossScale, StepResult
 from rft.weights.hf_megatron import tp_split_dim
 
 

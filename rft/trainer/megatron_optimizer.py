@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rft.trainer.cpu_compat import cuda_tensors_on_cpu
-from rft.trainer.optimizer import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult
+from rft.trainer.optimizer_contract import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult
 
 _WRAPPED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 

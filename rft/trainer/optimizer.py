@@ -20,38 +20,13 @@ CPU, where those assert CUDA tensors, the same steps in plain torch (rft/trainer
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from rft.config import LR_DECAYS
-
-FP16_INITIAL_SCALE = 2.0 ** 16  # torch's GradScaler default (Megatron's 2**32 wastes ~16 halvings)
-FP16_GROWTH_INTERVAL = 1000  # steps without an overflow before the scale doubles (Megatron, torch)
-
-
-@dataclass
-class StepResult:
-    stepped: bool  # False: a gradient was not finite and the step was skipped
-    grad_norm: float  # global norm before clipping (unscaled; inf/NaN when skipped)
-    loss_scale: float  # the scale the step's loss was multiplied by
-
-
-class TrainerOptimizer(Protocol):
-    """What the training steps (rft/trainer/train_step.py) need of an optimizer."""
-
-    param_groups: list[dict[str, Any]]  # AdamW's groups: the schedule sets their "lr"
-
-    def zero_grad(self) -> None: ...
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor: ...
-
-    def step(self, grad_clip: float) -> StepResult: ...
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+from rft.trainer.optimizer_contract import (FP16_INITIAL_SCALE, LossScale, StepResult,  # noqa: F401  (re-exported)
+                                           TrainerOptimizer)
 
 
 def build_optimizer(model, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99),
@@ -76,29 +51,6 @@ def build_optimizer(model, lr: float, weight_decay: float = 0.0, betas: tuple[fl
         scaler = LossScale(FP16_INITIAL_SCALE if dtype == torch.float16 else 1.0, dynamic=dtype == torch.float16)
     return MasterWeightsOptimizer(model, lambda masters: torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay,
                                                                            betas=betas), scaler)
-
-
-@dataclass
-class LossScale:
-    """The loss scale of fp16 training: halved after a step with an overflow, doubled after
-    `growth_interval` steps without one. Written here because Megatron's DynamicGradScaler
-    allocates on CUDA and torch's GradScaler decides per rank, while a skip must be decided over
-    every TP/PP shard at once (master_weights.py decides it from the global grad norm)."""
-
-    scale: float
-    dynamic: bool
-    growth_interval: int = FP16_GROWTH_INTERVAL
-    good_steps: int = 0
-
-    def update(self, overflow: bool) -> None:
-        if not self.dynamic:
-            return
-        if overflow:
-            self.scale, self.good_steps = max(self.scale / 2, 1.0), 0
-            return
-        self.good_steps += 1
-        if self.good_steps == self.growth_interval:
-            self.scale, self.good_steps = self.scale * 2, 0
 
 
 class LRSchedule:

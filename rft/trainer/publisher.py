@@ -8,8 +8,8 @@ from typing import Any
 
 import torch
 
-from rft import faults
-from rft.cluster import RankInfo, sync_layout
+from rft.runtime import faults
+from rft.runtime.topology import Topology, sync_layout
 from rft.config import RFTConfig, wire_dtype
 from rft.weights.convert import export_hf_weights, hf_table
 from rft.weights.engines import CheckpointSender, make_sender
@@ -22,23 +22,23 @@ class WeightPublisher:
     `version` (trainer steps done when the weights were sent) is saved with checkpoints.
     """
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, geo):
+    def __init__(self, cfg: RFTConfig, topology: Topology, geo):
         from megatron.core import parallel_state as ps
 
         on_gpu = torch.cuda.is_available()
-        layout = sync_layout(cfg, info, on_gpu)
+        layout = sync_layout(cfg, topology, on_gpu)
         stage = ps.get_pipeline_model_parallel_rank()
         self.geo, self.version = geo, 0
         self.exports = ps.get_data_parallel_rank() == 0
         self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
         self.sender = None
-        self.cfg, self.info, self.on_gpu = cfg, info, on_gpu
+        self.cfg, self.topology, self.on_gpu = cfg, topology, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
         self.engines = None  # all of them
         self.adapters = None  # a LoRA stage's adapters (rft/trainer/lora.py)
         self.adapter_sync = False  # send them as adapters (sync.lora=adapter), not merged into the weights
         self.base_sent = False  # adapter syncs: the stage's base weights went out (once per stage and attempt)
-        if info.rank == layout.sender_ranks[stage]:
+        if topology.rank == layout.sender_ranks[stage]:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
 
@@ -50,7 +50,7 @@ class WeightPublisher:
         if not self.exports:
             return 0
         if self.sender is not None and engines != self.engines:
-            self.sender.reopen(sync_layout(self.cfg, self.info, self.on_gpu, engines))
+            self.sender.reopen(sync_layout(self.cfg, self.topology, self.on_gpu, engines))
             self.engines = engines
         table, tensors = self._payload(model)
         tensors = self._struck_after_first(tensors, version)
@@ -61,11 +61,11 @@ class WeightPublisher:
         return self.sender.send(table, tensors, self.version)
 
     def _struck_after_first(self, tensors, version: int):
-        """`tensors`, with rft/faults.py's `sync` point after the first one (a sync under way)."""
+        """`tensors`, with rft/runtime/faults.py's `sync` point after the first one (a sync under way)."""
         for index, item in enumerate(tensors):
             yield item
             if index == 0:
-                faults.strike("sync", version, self.info.rank, self.cfg.run.output_dir)
+                faults.strike("sync", version, self.topology.rank, self.cfg.run.output_dir)
 
     def begin_stage(self, adapters, adapter_sync: bool) -> None:
         """A stage's LoRA adapters (None: none): sent merged (W + B A), or as PEFT adapters for

@@ -35,7 +35,7 @@ from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import mini_batch_rows, microbatches, mini_batches
 from rft.trainer.model import collective_device
-from rft.trainer.optimizer import StepResult, TrainerOptimizer
+from rft.trainer.optimizer_contract import StepResult, TrainerOptimizer
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
 
 

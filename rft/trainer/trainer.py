@@ -5,7 +5,7 @@
             batch = the step's experience shard (RL)  or  dataset rows (SFT, DPO)
             optimizer step on it                        # rft/trainer/train_step.py
             vote at the step's control point            # stop? checkpoint? (rft/runtime/control.py)
-            publish the weights if the schedule says so # rft/schedule.py
+            publish the weights if the schedule says so # rft/runtime/schedule.py
 """
 
 from __future__ import annotations
@@ -19,16 +19,17 @@ import torch
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.data.config import operator_specs
+from rft.config import operator_specs
 from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
-from rft.data.taskset import read_stage_tasks, row_scalars
-from rft import faults
-from rft.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
-from rft.cluster import RankInfo, engine_leaders, losable_members
-from rft.config import RFTConfig, adapter_sync, context_length, needs_critic, needs_rollouts, stage_configs, trains_lora
-from rft.monitor import progress_path, write_json_atomic
-from rft.preemption import ControlGroup, StopFlag
+from rft.data.stage_tasks import read_stage_tasks
+from rft.data.taskset import row_scalars
+from rft.runtime import faults
+from rft.runtime.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
+from rft.runtime.topology import Topology
+from rft.config import RFTConfig, adapter_sync, needs_critic, needs_rollouts, stage_configs, trains_lora
+from rft.runtime.monitor import progress_path, write_json_atomic
+from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage
 from rft.runtime.membership import lost_ranks
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
@@ -47,25 +48,25 @@ STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cu
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
 
 
-def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
-    """Train every stage; with `resume`, start at its pending sync (rft/checkpoint.py)."""
+def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
+    """Train every stage; with `resume`, start at its pending sync (rft/runtime/checkpoint.py)."""
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
                         cfg.trainer.virtual_pipeline_stages)
     lora = trains_lora(cfg)
     layers = resolve_transformer_impl(cfg.trainer.transformer_impl, lora)
-    if info.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
+    if topology.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
         print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora, layers)}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
                                  sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
-    runtime = Runtime(cfg, info, group, stop, resume, f"trainer{info.rank}", monitor=info.rank == 0)
+    runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
     check_saved_layers((runtime.state.saved or {}).get("model"), layers)
     runtime.state.track("model", model)
-    publisher = runtime.state.track("publisher", WeightPublisher(cfg, info, geo))
-    add_checkpoint_hooks(cfg, info, runtime, model, publisher)
-    learner = Learner(cfg, info, model, geo, runtime)
+    publisher = runtime.state.track("publisher", WeightPublisher(cfg, topology, geo))
+    add_checkpoint_hooks(cfg, topology, runtime, model, publisher)
+    learner = Learner(cfg, topology, model, geo, runtime)
     stages = stage_configs(cfg)
     total_steps = sum(s.trainer.max_steps for _, s in stages)
     for stage in runtime.stages():
@@ -79,25 +80,25 @@ def run_trainer(cfg: RFTConfig, info: RankInfo, group: ControlGroup, stop: StopF
                 if point.publishes:
                     with runtime.timed("sync_s"):
                         sync_start, sent = time.time(), publisher.publish(model, step.global_step,
-                                                                          present_engines(cfg, info, group))
+                                                                          present_engines(topology, group))
                         scalars.update(sync_scalars(sent, time.time() - sync_start))
             scalars["timing/step_s"], step_start = time.time() - step_start, time.time()
             runtime.log(stage, step.global_step, scalars)
-            if info.rank == 0:  # the launcher's progress bar
+            if topology.rank == 0:  # the launcher's progress bar
                 write_json_atomic(progress_path(cfg.run.output_dir), {
                     "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
                     "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
         learner.end()  # a LoRA stage's adapters are merged into the weights now
         publisher.begin_stage(None, False)
-    lost = lost_ranks(group.store, engine_leaders(cfg, info)) if info.rank == 0 and losable_members(cfg, info) else {}
+    lost = lost_ranks(group.store, topology.engine_leaders) if topology.rank == 0 and topology.losable_ranks else {}
     return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {})})
 
 
-def present_engines(cfg: RFTConfig, info: RankInfo, group: ControlGroup) -> list[int] | None:
+def present_engines(topology: Topology, group: ControlGroup) -> list[int] | None:
     """The engine leaders at the vote before a sync; None (all) unless the run may lose engines."""
-    if not losable_members(cfg, info):
+    if not topology.losable_ranks:
         return None
-    return [r for r in engine_leaders(cfg, info) if r in group.present]
+    return [r for r in topology.engine_leaders if r in group.present]
 
 
 def sync_scalars(sent: int, seconds: float) -> dict[str, float]:
@@ -105,13 +106,13 @@ def sync_scalars(sent: int, seconds: float) -> dict[str, float]:
             "sync/mb": sent / 2**20} if sent else {}
 
 
-def add_checkpoint_hooks(cfg: RFTConfig, info: RankInfo, runtime: Runtime, model, publisher: WeightPublisher) -> None:
+def add_checkpoint_hooks(cfg: RFTConfig, topology: Topology, runtime: Runtime, model, publisher: WeightPublisher) -> None:
     """With each checkpoint: an HF export (trainer.save_hf, what mode=bench reads); once it is
     complete, rank 0 prunes the old ones (trainer.keep_checkpoints)."""
     if cfg.trainer.save_hf:
         root = os.path.join(cfg.run.output_dir, "checkpoints", "hf")
         runtime.save_hooks.append(lambda done: publisher.export_hf(model, done, root))
-    if info.rank == 0:
+    if topology.rank == 0:
         runtime.saved_hooks.append(lambda done: prune(cfg.run.output_dir, runtime.group.members,
                                                       cfg.trainer.keep_checkpoints))
 
@@ -129,10 +130,10 @@ class RNG:
 class Learner:
     """What one trainer step does in each stage: its rows, its optimizer step, its statistics."""
 
-    def __init__(self, cfg: RFTConfig, info: RankInfo, model, geo, runtime: Runtime):
+    def __init__(self, cfg: RFTConfig, topology: Topology, model, geo, runtime: Runtime):
         from transformers import AutoTokenizer
 
-        self.cfg, self.info, self.model, self.geo, self.runtime = cfg, info, model, geo, runtime
+        self.cfg, self.topology, self.model, self.geo, self.runtime = cfg, topology, model, geo, runtime
         self.lora: LoRA | None = None
         weight = next(model.parameters())
         self.peak_tflops = peak_tflops(weight.device, weight.dtype)  # None: no MFU to log (CPU, fp32, unknown GPU)
@@ -140,18 +141,18 @@ class Learner:
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
-        producers = engine_leaders(cfg, info) if cfg.mode == "both" else None  # each engine writes a shard per step
+        producers = topology.engine_leaders if cfg.mode == "both" else None  # each engine writes a shard per step
         lost = None
-        if losable_members(cfg, info):  # rollout.on_engine_failure=continue: a lost engine's shards never come
+        if topology.losable_ranks:  # rollout.on_engine_failure=continue: a lost engine's shards never come
             lost = lambda missing: lost_ranks(runtime.group.store, missing)  # noqa: E731
-        self.reader = ExperienceReader(buffer, info, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers, lost,
+        self.reader = ExperienceReader(buffer, topology, cfg.buffer.wait_timeout_s, cfg.buffer.poll_s, producers, lost,
                                        *self._reused_sources(buffer))
 
     def _reused_sources(self, buffer: ExperienceBuffer) -> tuple[ReplayPool | None, ReviewIntake | None]:
         """Rank 0's replay pool (buffer.replay) and review intake (a `review` operator), both run-long
         checkpoint components; log lines of steps a resumed run trains again are dropped."""
         cfg, runtime = self.cfg, self.runtime
-        if self.info.rank != 0 or cfg.mode != "both":
+        if self.topology.rank != 0 or cfg.mode != "both":
             return None, None
         replay = review = None
         if cfg.buffer.replay.groups_per_step:
@@ -213,7 +214,7 @@ class Learner:
 
     def _dataset(self, stage: Stage) -> DatasetBatches:
         data, rows = stage.cfg.data, self.runtime.progress.rows
-        fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, context_length(self.cfg.model), data.overlong)
+        fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, self.topology.context_length, data.overlong)
         tasks = read_stage_tasks(data.train_path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key,
                                  cleaned_in=(self.cfg.run.output_dir, stage.name))
         tasks = fit.for_references(tasks, data.train_path, rows, preferences=self.is_dpo,
@@ -258,7 +259,7 @@ class Learner:
         if not drop:
             self.scheduler.step()
         trained = time.time()
-        faults.strike("train", self.runtime.progress.global_step, self.info.rank, self.cfg.run.output_dir)
+        faults.strike("train", self.runtime.progress.global_step, self.topology.rank, self.cfg.run.output_dir)
         io_s += self.reader.commit(self.runtime.progress.global_step, stale=drop)
         if self.dataset is None:
             scalars["timing/buffer_read_s"] = io_s
@@ -276,7 +277,7 @@ class Learner:
 
     def _log_optimizer_steps(self, steps: list[dict[str, float]]) -> None:
         """With several optimizer steps per trainer step (algorithm.ppo_epochs, mini_batch_size),
-        each one's scalars go to TensorBoard on an optimizer-step axis (rft/monitor.py)."""
+        each one's scalars go to TensorBoard on an optimizer-step axis (rft/runtime/monitor.py)."""
         progress = self.runtime.progress
         first = int(progress.totals.get("optimizer_steps", 0)) + 1
         progress.add(optimizer_steps=len(steps))

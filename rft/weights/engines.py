@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-from rft.monitor import write_json_atomic
+from rft.runtime.monitor import write_json_atomic
 from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
 from rft.weights.transfer import (
     LoadFn,

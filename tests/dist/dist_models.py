@@ -4,7 +4,7 @@ import os
 
 import torch
 
-from rft.cluster import free_port  # noqa: F401  (re-exported for the tests here)
+from rft.runtime.topology import free_port  # noqa: F401  (re-exported for the tests here)
 from tests.ranks import start_ranks
 
 VOCAB = 97

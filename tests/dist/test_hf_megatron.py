@@ -45,7 +45,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     load_hf_weights(model, load_hf_state(model_dir), geo)
     mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, torch.device("cpu"))
     result: dict = {"stage": ps.get_pipeline_model_parallel_rank()}
-    # rft.cluster.sync_layout picks stage s's sender as rank s x world / pp: Megatron's order agrees
+    # rft.runtime.topology.sync_layout picks stage s's sender as rank s x world / pp: Megatron's order agrees
     is_first_of_stage = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     assert is_first_of_stage == (rank % (world // pp) == 0) and rank // (world // pp) == result["stage"]
     with torch.no_grad():

@@ -58,7 +58,7 @@ def _trainer(rank: int, world: int, cfg, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_merged_and_adapter_syncs_serve_the_same_policy(tmp_path):
-    from rft.cluster import sync_layout
+    from rft.runtime.topology import sync_layout
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
 

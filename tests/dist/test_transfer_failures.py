@@ -60,7 +60,7 @@ def _wait_for_buckets(progress: str, n: int, timeout_s: float = 60) -> None:
 
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stalled"])
 def test_trainer_raises_naming_the_rollout_when_it_dies_or_stalls(tmp_path, how):
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
 
     timeout_s = 8.0
     layout = _layout(free_port(), timeout_s)
@@ -88,7 +88,7 @@ def test_trainer_raises_naming_the_rollout_when_it_dies_or_stalls(tmp_path, how)
 
 
 def test_rollout_raises_naming_the_trainer_when_it_dies(tmp_path):
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
 
     layout = _layout(free_port(), 8.0)
     trainer_side = _start(_sender, layout)

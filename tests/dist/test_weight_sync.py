@@ -9,7 +9,7 @@ import pytest
 import torch
 from dist_models import create_family_model, free_port, init_gloo, spawn
 
-from rft.cluster import RankInfo, sync_layout
+from rft.runtime.topology import Topology, sync_layout
 from rft.config import RFTConfig
 
 SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2], [12, 13, 14, 20, 21, 17, 30, 31]]
@@ -28,9 +28,9 @@ def _config(model_dir: str, run_dir: str, tp: int, pp: int, rollout_tp: int, eng
     return cfg
 
 
-def _info(cfg: RFTConfig, rank: int, port: int) -> RankInfo:
-    return RankInfo(rank=rank, world_size=cfg.cluster.trainer_ranks + 1, trainer_ranks=cfg.cluster.trainer_ranks,
-                    rollout_ranks=1, master_addr="127.0.0.1", master_port=port)
+def _info(cfg: RFTConfig, rank: int, port: int) -> Topology:
+    cfg.cluster.rollout_ranks = 1  # this process plays the one rollout rank
+    return Topology.of(cfg, rank, "127.0.0.1", port)
 
 
 def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None:

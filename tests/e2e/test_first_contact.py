@@ -7,7 +7,7 @@ import os
 import signal
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.job_state import process_running as alive
+from rft.launch.job_state import process_running as alive
 from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
 CONTEXT = 64  # the tiny model's max_position_embeddings (conf/model/tiny_qwen2.yaml)

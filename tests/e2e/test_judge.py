@@ -8,7 +8,7 @@ import os
 import signal
 import time
 
-from rft.job_state import process_running as alive
+from rft.launch.job_state import process_running as alive
 from tests.e2e.helpers import launch_until_step, progress_step, stop_launcher, tensorboard_scalars
 
 SFT, GRPO, TIMEOUT_S = 20, 8, 3

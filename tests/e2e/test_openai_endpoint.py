@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from rft.cluster import free_port
+from rft.runtime.topology import free_port
 
 AGENT = textwrap.dedent("""
     import json, sys

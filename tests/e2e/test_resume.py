@@ -59,7 +59,7 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
     run_dir = tmp_path / "run"
     overrides = _overrides(run_dir, offset)
     explorer_saved = CHECKPOINT + offset  # shards [0, explorer_saved) are in the explorer's checkpoint
-    # on the way, the shard of step TORN reaches the disk torn (rft/faults.py): the trainer
+    # on the way, the shard of step TORN reaches the disk torn (rft/runtime/faults.py): the trainer
     # quarantines it, the explorer writes it again from its copy, the run goes on as if not
     first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -134,7 +134,7 @@ def test_a_full_disk_stops_the_run_without_torn_files_and_it_resumes_once_space_
     stopped_at = max(int(p.name[4:]) for p in (run_dir / "checkpoints").glob("step*"))
 
     # Launched again, the trainer's next checkpoint (4.9 MB) finds no room: a 1 MiB file size limit,
-    # set on the ranks as they save it (rft/faults.py), the test machine's stand-in for a full
+    # set on the ranks as they save it (rft/runtime/faults.py), the test machine's stand-in for a full
     # filesystem (the kernel's EFBIG instead of ENOSPC, handled alike)
     failed_at = (stopped_at // SAVE_EVERY + 1) * SAVE_EVERY
     full = launch(*overrides, env={**os.environ, "RFT_FAULTS": f"file_size_limit@{failed_at}"})

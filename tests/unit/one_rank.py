@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from rft.cluster import free_port
+from rft.runtime.topology import free_port
 from tests.ranks import start_ranks
 
 
@@ -17,7 +17,7 @@ def init_one_rank(port: int) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    # as a job's trainer ranks (rft/cluster.py): NCCL where the model lives on a GPU
+    # as a job's trainer ranks (rft/runtime/topology.py): NCCL where the model lives on a GPU
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", rank=0, world_size=1)
     init_model_parallel(1, seed=0)
 

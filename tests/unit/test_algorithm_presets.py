@@ -10,7 +10,7 @@ import torch
 from rft.algorithms import registries
 from rft.algorithms.advantages import AdvantageOutputs
 from rft.config import needs_critic, stage_configs
-from rft.config_checks import validate
+from rft.config.checks import validate
 from tests.unit.test_config import CONF, compose_cfg
 
 PRESETS = sorted(os.path.basename(p)[:-5] for p in glob.glob(os.path.join(CONF, "algorithm", "*.yaml")))

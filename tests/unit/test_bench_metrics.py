@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from rft.bench import pass_at_k, score_table
+from rft.explorer.bench import pass_at_k, score_table
 
 
 @pytest.mark.parametrize("n, correct, k", [(4, 0, 1), (4, 1, 1), (4, 1, 4), (5, 2, 2), (6, 3, 4), (3, 3, 2)])

@@ -166,7 +166,7 @@ def test_a_quarantined_shard_is_written_again_by_its_producer_and_its_step_taken
 
 
 def _write_under_a_file_size_limit(root: str, conn) -> None:
-    from rft import faults
+    from rft.runtime import faults
     from rft.runtime.storage import StorageFullError
 
     faults.limit_file_size(4096)  # the kernel refuses bigger files (EFBIG), as a full disk would (ENOSPC)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.checkpoint import (CorruptCheckpointError, newest_complete, prune, record_requeue, requeue_count,
+from rft.runtime.checkpoint import (CorruptCheckpointError, newest_complete, prune, record_requeue, requeue_count,
                             save_rank_state)
 
 

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from rft.config import RFTConfig, register_configs, stage_configs
-from rft.config_checks import validate
+from rft.config.checks import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 GSM8K = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data", "gsm8k")
@@ -154,12 +154,13 @@ def test_transformer_impl_choices_that_cannot_run_are_refused(tmp_path, override
 
 
 def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_path):
-    from rft.cluster import RankInfo, sync_layout
+    from rft.runtime.topology import Topology, sync_layout
 
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.trainer_ranks=8",
                       "trainer.tensor_parallel_size=2", "trainer.pipeline_parallel_size=2",
                       "rollout.tensor_parallel_size=2")
-    info = RankInfo(rank=0, world_size=9, trainer_ranks=8, rollout_ranks=1, master_addr="node1", master_port=2000)
+    info = Topology.of(cfg, 0, "node1", 2000)
+    assert (info.trainer_ranks, info.rollout_ranks, info.world_size) == (8, 1, 9)
     layout = sync_layout(cfg, info, on_gpu=True)
     # Megatron orders ranks tp, dp, pp: stage 1 starts at rank (tp x dp) = 4
     assert layout.sender_ranks == [0, 4]

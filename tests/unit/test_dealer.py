@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rft.cluster import free_port
+from rft.runtime.topology import free_port
 from rft.explorer.dealer import Dealer
 from rft.runtime.membership import MemberLostError, mark_lost
 

@@ -117,7 +117,7 @@ def test_a_user_operator_by_dotted_path_and_what_it_may_not_do():
 
 
 def test_launch_checks_name_the_bad_entry_and_option():
-    from rft.data.config import check_operators
+    from rft.config.plugin_checks import check_operators
 
     check_operators("buffer.operators", ["dedup", {"name": "reward_filter", "min_reward": 0.5}], EXPERIENCE_OPERATORS)
     with pytest.raises(ValueError, match=r"buffer.operators\[1\].name"):

@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from rft.cluster import RankInfo, control_members
+from rft.runtime.topology import Topology
 from rft.config import JudgeConfig, world_size
-from rft.config_checks import validate
+from rft.config.checks import validate
 from rft.explorer.judge import JudgeClient, JudgeEndpoint, JudgeError, JudgeTimeout, _JudgeHandle
 from tests.unit.test_config import compose_cfg
 
@@ -87,10 +87,11 @@ def test_judge_ranks_follow_the_rollout_ranks_and_never_vote(tmp_path):
                       "cluster.judge_ranks=2")
     validate(cfg)
     assert world_size(cfg) == 5
-    infos = [RankInfo(r, 5, 1, 2, "127.0.0.1", 1234, judge_ranks=2) for r in range(5)]
+    infos = [Topology.of(cfg, r) for r in range(5)]
     assert [(i.role, i.role_rank) for i in infos] == [("trainer", 0), ("rollout", 0), ("rollout", 1),
                                                        ("judge", 0), ("judge", 1)]
-    assert control_members(cfg, infos[0]) == [0, 1, 2]
+    assert infos[0].voting_ranks == [0, 1, 2]
+    assert [i.member_name(i.rank) for i in infos[3:]] == ["judge rank 3", "judge rank 4"]
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -132,7 +133,7 @@ def test_a_reward_model_judge_scores_as_transformers_does(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2ForSequenceClassification
 
-    from rft.cluster import free_port
+    from rft.runtime.topology import free_port
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.openai_endpoint import OpenAIEndpoint
     from rft.explorer.vllm_engine import RolloutEngine

@@ -11,8 +11,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from rft.config import JudgeConfig
-from rft.config_checks import validate
-from rft.data.config import JudgeDifficultyConfig, SelectorConfig
+from rft.config.checks import validate
+from rft.config import JudgeDifficultyConfig, SelectorConfig
 from rft.data.judge_difficulty import ask_judges, score_tasks, scores_path
 from rft.data.selectors import build_selector
 from rft.data.taskset import Task

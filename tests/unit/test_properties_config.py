@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 
 from rft.config import RFTConfig, register_configs
-from rft.config_checks import validate
+from rft.config.checks import validate
 
 CONF = os.path.join(os.path.dirname(__file__), "..", "..", "conf")
 FAST = settings(max_examples=40, deadline=None, database=None)

@@ -6,7 +6,7 @@ import pytest
 from rft.buffer.experience import Experience, from_table, to_table
 from rft.buffer.replay import PRIORITIES, ReplayPool, replay_log
 from rft.buffer.shards import ExperienceBuffer
-from rft.data.config import ReplayConfig
+from rft.config import ReplayConfig
 
 
 def write_step(buffer: ExperienceBuffer, step: int, rewards: dict[str, list[float]], version: int | None = None):

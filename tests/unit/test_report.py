@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from rft.failures import RankFailure, _exception_line, find_failure
+from rft.launch.failures import RankFailure, _exception_line, find_failure
 
 
 def _result(log_dir, job, rank, trace, at):
@@ -42,7 +42,7 @@ def test_a_vanished_rank_without_a_result_is_reported(tmp_path):
 
 
 def _pulse(run_dir, rank, seconds_ago):
-    from rft.job import pid_path
+    from rft.runtime.task import pid_path
 
     path = pid_path(str(run_dir), rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -53,7 +53,7 @@ def _pulse(run_dir, rank, seconds_ago):
 
 
 def test_a_rank_silent_while_its_peers_beat_is_named_as_stopped(tmp_path):
-    from rft.failures import silent_rank, stopped_responding
+    from rft.launch.failures import silent_rank, stopped_responding
 
     logs = tmp_path / "logs"
     logs.mkdir()

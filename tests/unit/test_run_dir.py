@@ -124,8 +124,8 @@ def test_a_resume_into_another_layout_is_refused_naming_the_key(tmp_path, overri
     checkpoint into shards of another shape."""
     from omegaconf import OmegaConf
 
-    from rft.attempts import refuse_another_layout
-    from rft.launch import _resolved_config
+    from rft.launch.attempts import refuse_another_layout
+    from rft.launch.submit import _resolved_config
     from tests.unit.test_config import compose_cfg
 
     earlier = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}")

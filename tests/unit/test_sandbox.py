@@ -14,7 +14,7 @@ import pytest
 
 from rft.explorer.envs import sandbox
 from rft.explorer.envs.sandbox import SandboxResult, isolation_layers, run_python
-from rft.job_state import process_running as alive
+from rft.launch.job_state import process_running as alive
 
 LAYERS = isolation_layers()
 needs_landlock = pytest.mark.skipif("landlock" not in LAYERS, reason="the kernel has no Landlock")

@@ -1,4 +1,4 @@
-"""The trainer/explorer step schedule (rft/schedule.py), run as two simulated processes that block
+"""The trainer/explorer step schedule (rft/runtime/schedule.py), run as two simulated processes that block
 the way the real ones do: the trainer waits for its shard, both sides meet at every vote and every
 weight transfer. Checks that no setting deadlocks, every vote and publish pairs up, and the
 staleness each shard gets."""
@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from rft.schedule import max_lag, paired_trainer_steps, publishes_after
+from rft.runtime.schedule import max_lag, paired_trainer_steps, publishes_after
 
 
 def config(offset: int, interval: int, steps: int, policy_loss: str = "ppo", eval_interval: int = 0):

@@ -4,7 +4,7 @@ same draws."""
 import numpy as np
 import pytest
 
-from rft.data.config import SelectorConfig
+from rft.config import SelectorConfig
 from rft.data.selectors import SELECTORS, build_selector
 from rft.data.taskset import Task, TaskCursor
 
@@ -198,7 +198,7 @@ def test_a_user_selector_by_dotted_path():
 
 
 def test_validation_names_bad_selector_settings():
-    from rft.data.config import check_selector
+    from rft.config.plugin_checks import check_selector
 
     with pytest.raises(ValueError, match="data.selector.name"):
         check_selector("", SelectorConfig(name="nope"), rollouts=True)

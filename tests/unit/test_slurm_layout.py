@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from rft.cluster import rank_info_from_env
 from rft.config import ClusterConfig, RFTConfig
-from rft.slurm import check_request, make_executor, port_for_job, tasks_per_node
+from rft.launch.slurm import check_request, make_executor, tasks_per_node
+from rft.runtime.topology import Topology, engine_devices, port_for_job, sync_layout
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sbatch_4x8_gpu.sh")
 GOLDEN_TWO_ENGINES = os.path.join(os.path.dirname(__file__), "golden", "sbatch_2x8_gpu_2_engines.sh")
@@ -27,8 +27,8 @@ def _slurm_env(monkeypatch, procid: int, nodeid: int, localid: int, ntasks: int 
     (24, 3, 0, "rollout", 0), (31, 3, 7, "rollout", 7)])
 def test_ranks_roles_and_rendezvous_from_a_4_node_job(monkeypatch, procid, nodeid, localid, role, role_rank):
     _slurm_env(monkeypatch, procid, nodeid, localid)
-    cluster = ClusterConfig(kind="slurm", trainer_ranks=24, rollout_ranks=8, nodes=4, gpus_per_node=8)
-    info = rank_info_from_env(cluster, master_port=0)
+    cfg = RFTConfig(cluster=ClusterConfig(kind="slurm", trainer_ranks=24, rollout_ranks=8, nodes=4, gpus_per_node=8))
+    info = Topology.from_env(cfg, master_port=0)
     assert (info.rank, info.world_size, info.role, info.role_rank) == (procid, 32, role, role_rank)
     assert info.master_addr == "gpu-a017"  # first node of the allocation, where rank 0 runs
     assert info.master_port == port_for_job("123457") == 20000 + 3457 * 3
@@ -39,7 +39,7 @@ def test_ranks_roles_and_rendezvous_from_a_4_node_job(monkeypatch, procid, nodei
 def test_task_count_must_match_the_config(monkeypatch):
     _slurm_env(monkeypatch, 0, 0, 0, ntasks=16)
     with pytest.raises(RuntimeError, match="16 tasks"):
-        rank_info_from_env(ClusterConfig(kind="slurm", trainer_ranks=24, rollout_ranks=8), master_port=0)
+        Topology.from_env(RFTConfig(cluster=ClusterConfig(kind="slurm", trainer_ranks=24, rollout_ranks=8)), master_port=0)
 
 
 def _gpu_profile(tmp_path) -> RFTConfig:
@@ -79,7 +79,7 @@ def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
     cfg = profile(tmp_path)
     executor = make_executor(cfg, str(tmp_path / "logs"))
     script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
-    from rft.slurm import REPO
+    from rft.launch.slurm import REPO
 
     script = script.replace(str(tmp_path), "RUN").replace(REPO, "REPO")
     if os.environ.get("RFT_UPDATE_GOLDEN"):
@@ -106,8 +106,7 @@ def test_with_continue_a_lost_engines_task_does_not_end_the_others(tmp_path, mon
 def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
     """Each engine's leader runs it on its own four GPUs of node 1; the weight groups reach every
     worker of both engines; the plan names both engines, their ranks and node."""
-    from rft.cluster import control_members, engine_devices, engine_index, is_engine_follower, sync_layout
-    from rft.plan import engines_line
+    from rft.launch.plan import engines_line
 
     cfg = _two_engines_profile(tmp_path)
     (tmp_path / "rft.sif").write_text("")
@@ -115,14 +114,14 @@ def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
     roles = {}
     for procid in (7, 8, 9, 11, 12, 15):
         _slurm_env(monkeypatch, procid, procid // 8, procid % 8, ntasks=16)
-        info = rank_info_from_env(cfg.cluster, master_port=0)
-        roles[procid] = "follower" if is_engine_follower(cfg, info) else \
-            (info.role if info.role == "trainer" else f"engine {engine_index(cfg, info)}")
+        info = Topology.from_env(cfg, master_port=0)
+        roles[procid] = "follower" if info.is_engine_follower else \
+            (info.role if info.role == "trainer" else f"engine {info.engine_index}")
     assert roles == {7: "trainer", 8: "engine 0", 9: "follower", 11: "follower", 12: "engine 1", 15: "follower"}
     monkeypatch.setenv("LOCAL_RANK", "4")  # rank 12 is the fifth task on node 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    assert engine_devices(cfg) == "4,5,6,7"
-    assert control_members(cfg, info) == list(range(8)) + [8, 12]
+    assert engine_devices(cfg.cluster, info.engine_span) == "4,5,6,7"
+    assert info.voting_ranks == list(range(8)) + [8, 12]
     layout = sync_layout(cfg, info, on_gpu=True)
     assert layout.receiver_names == [f"engine {e} (rollout rank {8 + 4 * e}) worker {w}"
                                      for e in range(2) for w in range(4)]
@@ -133,7 +132,6 @@ def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):
 def test_a_tp4_judge_engine_takes_the_last_four_gpus(tmp_path, monkeypatch):
     """2 nodes x 8 GPUs: 8 trainer ranks, one TP-4 rollout engine, one TP-4 judge engine after it.
     The judge's leader runs vLLM on its four GPUs, its followers hold theirs, and no judge rank votes."""
-    from rft.cluster import control_members, engine_devices, is_judge_follower
 
     cfg = _two_engines_profile(tmp_path)
     cfg.cluster.rollout_ranks, cfg.cluster.judge_ranks, cfg.judge.tensor_parallel_size = 4, 4, 4
@@ -142,14 +140,14 @@ def test_a_tp4_judge_engine_takes_the_last_four_gpus(tmp_path, monkeypatch):
     roles = {}
     for procid in (11, 12, 13, 15):
         _slurm_env(monkeypatch, procid, procid // 8, procid % 8, ntasks=16)
-        info = rank_info_from_env(cfg.cluster, master_port=0)
-        roles[procid] = (info.role, info.role_rank, is_judge_follower(cfg, info))
+        info = Topology.from_env(cfg, master_port=0)
+        roles[procid] = (info.role, info.role_rank, info.is_judge_follower)
     assert roles == {11: ("rollout", 3, False), 12: ("judge", 0, False), 13: ("judge", 1, True),
                      15: ("judge", 3, True)}
     monkeypatch.setenv("LOCAL_RANK", "4")  # rank 12 is the fifth task on node 1
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
-    assert engine_devices(cfg, cfg.judge.tensor_parallel_size) == "4,5,6,7"
-    assert control_members(cfg, info) == list(range(8)) + [8]
+    assert engine_devices(cfg.cluster, info.judge_span) == "4,5,6,7"
+    assert info.voting_ranks == list(range(8)) + [8]
     cfg.cluster.judge_ranks, cfg.cluster.rollout_ranks = 6, 2  # the judge would straddle the nodes
     with pytest.raises(ValueError, match="judge.tensor_parallel_size"):
         check_request(cfg)
@@ -173,29 +171,28 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
     """24 trainer GPUs + one vLLM engine with TP=8 on the 4th node: its first task runs the engine
     on all 8 GPUs of that node, the other 7 only hold their GPU; the stop vote and the weight
     groups include the leader only, once per TP worker."""
-    from rft.cluster import control_members, engine_devices, is_engine_follower, sync_layout
 
     cfg = _gpu_profile(tmp_path)
     cfg.rollout.tensor_parallel_size = 8
     roles = {}
     for procid in (0, 23, 24, 25, 31):
         _slurm_env(monkeypatch, procid, procid // 8, procid % 8)
-        info = rank_info_from_env(cfg.cluster, master_port=0)
-        roles[procid] = "follower" if is_engine_follower(cfg, info) else info.role
+        info = Topology.from_env(cfg, master_port=0)
+        roles[procid] = "follower" if info.is_engine_follower else info.role
     assert roles == {0: "trainer", 23: "trainer", 24: "rollout", 25: "follower", 31: "follower"}
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7,0,1,2,3")  # whatever order Slurm gives
-    assert engine_devices(cfg) == "4,5,6,7,0,1,2,3"
-    assert control_members(cfg, info) == list(range(24)) + [24]
+    assert engine_devices(cfg.cluster, info.engine_span) == "4,5,6,7,0,1,2,3"
+    assert info.voting_ranks == list(range(24)) + [24]
     layout = sync_layout(cfg, info, on_gpu=True)
     assert layout.receiver_names == [f"engine 0 (rollout rank 24) worker {w}" for w in range(8)]
     assert layout.sender_ranks == [0]
     # followers save no checkpoint file: a checkpoint of the voting ranks is complete without them
-    from rft.checkpoint import newest_complete, save_rank_state
+    from rft.runtime.checkpoint import newest_complete, save_rank_state
 
-    for rank in control_members(cfg, info):
+    for rank in info.voting_ranks:
         save_rank_state(str(tmp_path / "run"), 5, rank, {"rank": rank})
-    assert newest_complete(str(tmp_path / "run"), control_members(cfg, info)).done == 5
+    assert newest_complete(str(tmp_path / "run"), info.voting_ranks).done == 5
 
 
 @pytest.mark.parametrize("rollout_tp, trainer_ranks, rollout_ranks, message", [
@@ -204,7 +201,7 @@ def test_a_rollout_engine_with_tp8_spans_the_last_node(tmp_path, monkeypatch):
 ])
 def test_rollout_tp_that_does_not_fit_its_ranks_names_the_key(tmp_path, rollout_tp, trainer_ranks, rollout_ranks,
                                                               message):
-    from rft.config_checks import validate
+    from rft.config.checks import validate
 
     cfg = _gpu_profile(tmp_path)
     cfg.rollout.tensor_parallel_size = rollout_tp

@@ -6,7 +6,7 @@ import signal
 import subprocess
 import sys
 
-from rft.preemption import StopFlag
+from rft.runtime.preemption import StopFlag
 
 
 def test_usr2_sets_the_flag_and_sigterm_goes_to_the_previous_handler():
@@ -27,7 +27,7 @@ def test_usr2_sets_the_flag_and_sigterm_goes_to_the_previous_handler():
 
 
 def test_sigterm_while_awaiting_requeue_exits_at_once():
-    code = ("import os, signal, time\nfrom rft.preemption import StopFlag\nf = StopFlag(); f.install()\n"
+    code = ("import os, signal, time\nfrom rft.runtime.preemption import StopFlag\nf = StopFlag(); f.install()\n"
             "f.awaiting_requeue = True\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\nraise SystemExit(3)\n")
     result = subprocess.run([sys.executable, "-c", code], timeout=60)
     assert result.returncode == 0

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from rft.job_state import process_running as alive
+from rft.launch.job_state import process_running as alive
 from rft.runtime.supervisor import RankKilledError, death_message, run_supervised
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from rft.config import stage_configs
-from rft.config_checks import validate
+from rft.config.checks import validate
 from tests.unit.test_config import compose_cfg
 
 HERE = __name__
@@ -70,7 +70,7 @@ def test_env_args_the_environment_refuses_are_named(tmp_path):
 
 
 def test_quickstart_agent_writes_its_tasksets_from_the_environment(tmp_path):
-    from rft.launch import prepare
+    from rft.launch.compose import prepare
 
     cfg = compose_cfg("+experiment=quickstart_agent", f"run.output_dir={tmp_path}")
     validate(cfg)
@@ -87,7 +87,7 @@ def test_quickstart_agent_writes_its_tasksets_from_the_environment(tmp_path):
 
 def test_a_stage_reading_its_own_file_is_never_overwritten(tmp_path):
     # the stage inherits data.arithmetic from the quickstart's top level but names its own file
-    from rft.launch import prepare
+    from rft.launch.compose import prepare
 
     own = tmp_path / "pairs.jsonl"
     own.write_text(json.dumps({"question": "1+1=", "chosen": "2", "rejected": "11"}) + "\n")

@@ -37,9 +37,7 @@ import json
 import os
 from typing import Any
 
-from rft.registry import Registry
-
-ENVIRONMENTS = Registry("environment", params=("reset", "step"), is_class=True)
+from rft.explorer.envs.registry import ENVIRONMENTS
 
 
 async def reset(env: Any, task: Any, seed: int | None) -> tuple[str, dict]:
@@ -100,8 +98,6 @@ def write_env_tasksets(spec: str, generate, train_path: str, eval_path: str | No
         os.replace(path + ".tmp", path)
 
 
-def _register_builtins() -> None:
-    from rft.explorer.envs import calculator, grid_world  # noqa: F401  (they register themselves)
-
-
-_register_builtins()
+# the built-ins register themselves in ENVIRONMENTS when imported; importing them here makes every
+# user of this package see them
+from rft.explorer.envs import calculator, grid_world  # noqa: E402,F401

@@ -28,7 +28,7 @@ from typing import Any
 
 import gymnasium as gym
 
-from rft.explorer.envs import ENVIRONMENTS
+from rft.explorer.envs.registry import ENVIRONMENTS
 from rft.explorer.envs.sandbox import run_python
 
 DEFAULT_INSTRUCTIONS = (

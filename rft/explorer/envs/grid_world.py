@@ -27,7 +27,7 @@ import numpy as np
 import gymnasium as gym
 from gymnasium import spaces
 
-from rft.explorer.envs import ENVIRONMENTS
+from rft.explorer.envs.registry import ENVIRONMENTS
 
 MOVES = {"n": (0, -1), "s": (0, 1), "e": (1, 0), "w": (-1, 0)}
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from rft.data.taskset import Task
 from rft.explorer import envs
 from rft.explorer.model_client import Conversation, ModelClient
-from rft.explorer.workflows import WorkflowContext
+from rft.explorer.workflows.registry import WorkflowContext
 
 
 @dataclass

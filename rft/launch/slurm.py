@@ -1,7 +1,7 @@
 """Slurm on the launcher side: is there a cluster, is the request valid for it, and the executor.
 
 The job itself is submitit's: one sbatch job with nodes x tasks_per_node tasks under srun, each
-running `rft.job.run_rank`, which finds its role from its global rank (rft/cluster.py).
+running `rft.runtime.task.run_rank`, which finds its role from its global rank (rft/runtime/topology.py).
 Everything here runs on the login node before submitting and fails with the key to fix.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from rft.config import ClusterConfig, RFTConfig, config_error, judge_span, world_size
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(cmd: list[str], timeout_s: float = 15) -> str | None:

@@ -1,4 +1,4 @@
-"""`validate()`: every check of a composed config (rft/config.py) before any process starts.
+"""`validate()`: every check of a composed config (rft/config/) before any process starts.
 
 Each check raises the ValueError of `config_error`, naming the key, the bad value and the fix; the
 launcher shows it without a traceback. Checks read files only where a value names one (tasksets,
@@ -15,9 +15,13 @@ from typing import Any, Optional
 
 from omegaconf import ListConfig
 
-from rft.config import (LORA_TARGETS, LR_DECAYS, VLLM_LORA_RANKS, AlgorithmConfig, RFTConfig, config_error,
-                        context_length, generated_data, hf_config_json, judge_span, needs_rollouts,
-                        stage_configs, vllm_lora_rank)
+from rft.config import plugin_checks
+from rft.config.derived import (VLLM_LORA_RANKS, generated_data, judge_span, needs_rollouts, stage_configs,
+                                vllm_lora_rank)
+from rft.config.errors import config_error
+from rft.config.model import context_length, hf_config_json
+from rft.config.run import RFTConfig
+from rft.config.trainer import LORA_TARGETS
 
 RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")  # trainer.transformer_impl (rft/trainer/layer_spec.py)
@@ -70,120 +74,6 @@ def _check_parallel_layout(cfg: RFTConfig) -> None:
     rtp = cfg.rollout.tensor_parallel_size
     if heads % rtp:
         config_error("rollout.tensor_parallel_size", rtp, f"must divide the model's {heads} attention heads")
-
-
-def _check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
-    """Every registry key names a built-in or a dotted path whose signature fits (checked here,
-    before launch, so a typo fails on the login node)."""
-    from rft.algorithms import registries
-
-    for key, registry in registries().items():
-        if key == "policy_loss" and algo.policy_loss == "dpo":
-            continue  # pairs, not per-token losses: rft/trainer/dpo_step.py
-        try:
-            registry.resolve(getattr(algo, key))
-        except ValueError as err:
-            config_error(f"{prefix}algorithm.{key}", getattr(algo, key), str(err))
-    if algo.critic_lr <= 0:
-        config_error(f"{prefix}algorithm.critic_lr", algo.critic_lr, "the critic's learning rate must be positive")
-    if algo.value_clip is not None and algo.value_clip <= 0:
-        config_error(f"{prefix}algorithm.value_clip", algo.value_clip, "use a positive value, e.g. 0.2, or null (no clip)")
-    if algo.name == "sft" and algo.policy_loss != "sft":
-        config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                     "algorithm.name=sft trains on reference answers: set algorithm.policy_loss=sft too")
-    if algo.lr_decay not in LR_DECAYS:
-        config_error(f"{prefix}algorithm.lr_decay", algo.lr_decay, f"use one of {', '.join(LR_DECAYS)}")
-    if not 0.0 <= algo.min_lr_ratio <= 1.0:
-        config_error(f"{prefix}algorithm.min_lr_ratio", algo.min_lr_ratio, "use a share of lr from 0 to 1, e.g. 0.1")
-    if algo.kl_mode not in ("loss", "reward"):
-        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode, "use loss or reward")
-    if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
-        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode,
-                     f"advantage {algo.advantage} scores whole responses; a per-token KL reward needs "
-                     "advantage=reinforce_pp or gae (or kl_mode=loss)")
-    if algo.clip_eps_high is not None and algo.clip_eps_high <= 0:
-        config_error(f"{prefix}algorithm.clip_eps_high", algo.clip_eps_high, "use a positive value, e.g. 0.28")
-    if algo.dual_clip_c is not None and algo.dual_clip_c <= 1:
-        config_error(f"{prefix}algorithm.dual_clip_c", algo.dual_clip_c, "must be > 1, e.g. 3.0")
-    if algo.tis_cap is not None and algo.tis_cap <= 0:
-        config_error(f"{prefix}algorithm.tis_cap", algo.tis_cap, "use a positive cap, e.g. 2.0")
-    if algo.ppo_epochs < 1:
-        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs, "use 1 or more passes over each batch")
-    if algo.mini_batch_size < 0:
-        config_error(f"{prefix}algorithm.mini_batch_size", algo.mini_batch_size,
-                     "use 0 (the whole batch per optimizer step) or a number of rows")
-    if algo.policy_loss == "dpo" and (algo.ppo_epochs > 1 or algo.mini_batch_size):
-        config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs,
-                     "DPO takes one optimizer step per batch of pairs: leave ppo_epochs=1 and mini_batch_size=0")
-
-
-def _check_env_tasks(prefix: str, stage: RFTConfig) -> None:
-    """data.from_env needs an environment that can draw tasks (or demos) of its own."""
-    from rft.explorer.envs import ENVIRONMENTS
-
-    generate, env = stage.data.from_env, stage.rollout.env
-    if generate.kind not in ("tasks", "demos"):
-        config_error(f"{prefix}data.from_env.kind", generate.kind, "use tasks (rows to play) or demos (SFT conversations)")
-    if env is None:
-        config_error(f"{prefix}data.from_env", "set", "the tasks come from rollout.env, which is not set")
-    method = "sample_demos" if generate.kind == "demos" else "sample_tasks"
-    try:
-        has = callable(getattr(ENVIRONMENTS.resolve(env), method, None))
-    except ValueError as err:
-        config_error(f"{prefix}rollout.env", env, str(err))
-    if not has:
-        config_error(f"{prefix}data.from_env.kind", generate.kind, f"environment {env} has no {method}(n, seed); "
-                     "write the taskset yourself and set data.train_path")
-    if generate.num_train < 1 or generate.num_eval < 0:
-        config_error(f"{prefix}data.from_env.num_train", generate.num_train, "use 1 or more rows (num_eval 0 or more)")
-
-
-def _check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
-    """The workflow, its environment and the reward: each a built-in or a dotted path whose
-    signature fits, checked here so a typo fails on the login node; and the limits they run under."""
-    from rft.explorer.envs import ENVIRONMENTS, make_env
-    from rft.explorer.rewards import REWARDS
-    from rft.explorer.workflows import WORKFLOWS
-
-    rollout, algo = stage.rollout, stage.algorithm
-    for key, registry, value in ((f"{prefix}algorithm.reward", REWARDS, algo.reward),
-                                 (f"{prefix}rollout.workflow", WORKFLOWS, rollout.workflow),
-                                 (f"{prefix}rollout.env", ENVIRONMENTS, rollout.env)):
-        if value is None:
-            continue
-        try:
-            registry.resolve(value)
-        except ValueError as err:
-            config_error(key, value, str(err))
-    if WORKFLOWS.meta(WORKFLOWS.resolve(rollout.workflow)).get("needs_env"):
-        if rollout.env is None:
-            config_error(f"{prefix}rollout.env", None, f"rollout.workflow={rollout.workflow} plays an environment: "
-                         f"choose one of {ENVIRONMENTS.names()} or a dotted path to a Gymnasium Env class")
-        try:
-            make_env(rollout.env, dict(rollout.env_args)).close()
-        except Exception as err:  # the environment's own check of its arguments
-            config_error(f"{prefix}rollout.env_args", dict(rollout.env_args), f"{type(err).__name__}: {err}")
-    for key, value, least in (("max_turns", rollout.max_turns, 1), ("max_concurrent_tasks", rollout.max_concurrent_tasks, 1),
-                              ("max_retries", rollout.max_retries, 0)):
-        if value < least:
-            config_error(f"{prefix}rollout.{key}", value, f"use {least} or more")
-    if not rollout.task_timeout_s > 0:
-        config_error(f"{prefix}rollout.task_timeout_s", rollout.task_timeout_s, "use a positive number of seconds")
-
-
-def _check_data_pipeline(prefix: str, stage: RFTConfig) -> None:
-    """The stage's task selector and task operators, and the run's experience operators and replay
-    (rft/data/config.py): each a built-in or a dotted path, with arguments it takes."""
-    from rft.buffer.operators import EXPERIENCE_OPERATORS
-    from rft.data.config import check_judge_difficulty, check_operators, check_replay, check_selector
-    from rft.data.task_operators import TASK_OPERATORS
-
-    check_selector(prefix, stage.data.selector, needs_rollouts(stage))
-    check_judge_difficulty(prefix, stage.data.judge_difficulty, needs_rollouts(stage), stage.cluster.judge_ranks,
-                           stage.judge.kind)
-    check_operators(f"{prefix}data.operators", stage.data.operators, TASK_OPERATORS)
-    check_operators("buffer.operators", stage.buffer.operators, EXPERIENCE_OPERATORS)
-    check_replay(stage.buffer.replay)
 
 
 def _check_serve(cfg: RFTConfig) -> None:
@@ -293,7 +183,7 @@ def validate(cfg: RFTConfig) -> None:
         if value < least:
             config_error(key, value, f"must be >= {least}")
     rtp, gpus = cfg.rollout.tensor_parallel_size, cfg.cluster.gpus_per_node
-    span = rtp if gpus else 1  # tasks per vLLM engine (rft.cluster.engine_span)
+    span = rtp if gpus else 1  # tasks per vLLM engine (Topology.engine_span)
     if cfg.mode in ("both", "explore", "serve") and rtp >= 1 and cfg.cluster.rollout_ranks % span:
         config_error("cluster.rollout_ranks", cfg.cluster.rollout_ranks,
                      f"must be a multiple of rollout.tensor_parallel_size={rtp}: on GPU nodes a vLLM engine "
@@ -319,10 +209,10 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
                                                    "set it to a .jsonl path")
         if data.from_env is not None:
-            _check_env_tasks(prefix, stage)
+            plugin_checks.check_env_tasks(prefix, stage)
         _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)
         _check_file(f"{prefix}data.eval_path", data.eval_path, data.eval_path in written)
-        _check_algorithm(prefix, algo)
+        plugin_checks.check_algorithm(prefix, algo)
         if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "mode=train learns from datasets only: use sft or dpo (or mode=both for RL)")
@@ -332,8 +222,8 @@ def validate(cfg: RFTConfig) -> None:
         if cfg.mode == "both" and algo.policy_loss == "dpo":
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "DPO trains offline on preference pairs: run it with mode=train")
-        _check_rollout_plugins(prefix, stage)
-        _check_data_pipeline(prefix, stage)
+        plugin_checks.check_rollout_plugins(prefix, stage)
+        plugin_checks.check_data_pipeline(prefix, stage)
         if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
             config_error(f"{prefix}algorithm.group_size", algo.group_size,
                   f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")

@@ -74,13 +74,13 @@ def write_tables(out_dir: str, rows: list[dict]) -> tuple[str, str]:
 
 def run_bench(cfg: RFTConfig) -> dict:
     from rft.data.context_fit import ContextFit
-    from rft.data.taskset import read_stage_tasks
+    from rft.data.stage_tasks import read_stage_tasks
     from rft.config import context_length
     from rft.explorer.model_client import Sampling
     from rft.explorer.runner import WorkflowRunner
     from rft.explorer.vllm_engine import RolloutEngine
     from rft.explorer.workflows import required_columns
-    from rft.monitor import Monitor, rank_summary_path, write_json_atomic
+    from rft.runtime.monitor import Monitor, rank_summary_path, write_json_atomic
 
     paths = bench_checkpoints(cfg)
     if not paths:

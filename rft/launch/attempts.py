@@ -13,12 +13,10 @@ from rft.config import RFTConfig, config_error
 
 
 def saving_ranks(cfg: RFTConfig) -> list[int]:
-    """The ranks whose files make a checkpoint complete, in the ranks this mode starts (rft/job.py)."""
-    from rft.cluster import voting_ranks
+    """The ranks whose files make a checkpoint complete, in the ranks this mode starts (rft/runtime/task.py)."""
+    from rft.runtime.topology import Topology
 
-    t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
-    saving_t = 0 if cfg.mode == "explore" else t
-    return voting_ranks(cfg, saving_t, saving_t + (0 if cfg.mode == "train" else r))
+    return Topology.of(cfg).voting_ranks
 
 
 def start_or_resume(cfg: RFTConfig) -> str | None:
@@ -26,7 +24,7 @@ def start_or_resume(cfg: RFTConfig) -> str | None:
     resume from its newest complete checkpoint, or start over with its files moved to
     <run>/attempts/<n>. Raises ValueError (a finished run with `run.resume=auto`, or
     `run.resume=require` and nothing to resume). Returns the plan's line about it, or None for a fresh directory."""
-    from rft.checkpoint import newest_complete
+    from rft.runtime.checkpoint import newest_complete
     from rft.runtime.run_dir import finished, has_earlier_attempt, next_attempt_dir, set_aside_attempt
 
     run_dir, policy = cfg.run.output_dir, cfg.run.resume
@@ -50,7 +48,7 @@ def start_or_resume(cfg: RFTConfig) -> str | None:
     return f"start over ({why}); the earlier attempt's files are in {set_aside_attempt(run_dir)}"
 
 
-# what the trainer's checkpoint files are laid out by (rft/checkpoint.py: one file per rank, Megatron
+# what the trainer's checkpoint files are laid out by (rft/runtime/checkpoint.py: one file per rank, Megatron
 # shards under their parameter names, LoRA adapters of the stage's rank): a resume keeps each
 CHECKPOINT_LAYOUT = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer.pipeline_parallel_size",
                      "trainer.virtual_pipeline_stages", "trainer.transformer_impl")

@@ -1,6 +1,6 @@
 """Whether a submitted job's ranks live, and how the job ended: the ranks' result files, pid
 files and process groups on this machine; squeue, sacct and scontrol on Slurm. Also stopping a
-local job's ranks for good. Read by the launcher (rft/report.py, rft/failures.py, rft/launch.py)."""
+local job's ranks for good. Read by the launcher (rft/launch/report.py, rft/launch/failures.py, rft/launch/__main__.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 from rich.markup import escape
 
-from rft.console import console
+from rft.launch.console import console
 
 
 def task_result(log_dir: str, job_id: str, rank: int) -> tuple[str, object] | None:
@@ -39,7 +39,7 @@ def _pid_alive(pid_file: str) -> bool | None:
 def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
     """Liveness from the pid files the ranks and their supervising tasks write (only meaningful on
     the launcher's machine): alive while either process is."""
-    from rft.job import pid_path
+    from rft.runtime.task import pid_path
 
     def alive(rank: int) -> bool | None:
         states = [_pid_alive(pid_path(run_dir, rank)), _pid_alive(pid_path(run_dir, rank, supervisor=True))]
@@ -54,7 +54,7 @@ def local_rank_processes(run_dir: str, log_dir: str, world_size: int) -> list[tu
     count, so a pid file left from an earlier attempt never names an unrelated process that reuses
     its number. Taken while the ranks live: a rank's process group (vLLM's engine process, reward
     and tool subprocesses) outlives its leader."""
-    from rft.job import pid_path
+    from rft.runtime.task import pid_path
 
     found = []
     for rank in range(world_size):

@@ -12,14 +12,14 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     from rich.table import Table
 
     from rft.config import context_length, stage_configs
-    from rft.console import console
+    from rft.launch.console import console
 
     t, r = cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks
     table = Table(title=f"rft plan: {cfg.run.name} on cluster={cfg.cluster.kind}", show_header=False)
     table.add_column(no_wrap=True)
     table.add_column(overflow="fold")  # long paths wrap, never cut to "..." (logs are 80 columns wide)
     if cfg.mode == "bench":
-        from rft.bench import bench_checkpoints
+        from rft.explorer.bench import bench_checkpoints
 
         table.add_row("mode", f"bench: pass@k / mean@k for k in {list(cfg.bench.k)} on {cfg.data.eval_path}")
         table.add_row("checkpoints", "\n".join(bench_checkpoints(cfg)))
@@ -77,12 +77,12 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
 
 def engines_line(cfg: RFTConfig) -> str:
     """One line per vLLM engine: its ranks and the node of the allocation they run on."""
-    from rft.cluster import engine_ranks
-    from rft.slurm import tasks_per_node
+    from rft.launch.slurm import tasks_per_node
+    from rft.runtime.topology import Topology
 
     per_node = tasks_per_node(cfg) if cfg.cluster.kind == "slurm" else None
     lines = []
-    for e, ranks in enumerate(engine_ranks(cfg)):
+    for e, ranks in enumerate(Topology.of(cfg).engine_ranks):
         where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         lines.append(f"engine {e}: {span} on {where}")
@@ -91,9 +91,9 @@ def engines_line(cfg: RFTConfig) -> str:
 
 
 def schedule_line(cfg: RFTConfig) -> str:
-    """How explorer and trainer interleave in rollout stages (rft/schedule.py), and the staleness
+    """How explorer and trainer interleave in rollout stages (rft/runtime/schedule.py), and the staleness
     that allows, with a warning where buffer.max_staleness will drop or re-weight shards by design."""
-    from rft.schedule import max_lag
+    from rft.runtime.schedule import max_lag
 
     k, n, limit = cfg.sync.offset, cfg.sync.interval, cfg.buffer.max_staleness
     kind = "synchronous on-policy" if k == 0 and n == 1 else ("one-step-off" if (k, n) == (1, 1) else "asynchronous")

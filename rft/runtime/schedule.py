@@ -5,7 +5,7 @@ stage with `sync.offset = k` and `sync.interval = N`:
 
     explorer step e:  generate + write shard e (weights of the last sync it received)
                       then, for each trainer step t paired with e (below):
-                          vote at the control point of trainer step t   (rft/preemption.py)
+                          vote at the control point of trainer step t   (rft/runtime/preemption.py)
                           receive the weights the trainer published after step t, if it did
     trainer step t:   train on shard t, vote, publish after t if `publishes_after(t)`
 

@@ -51,7 +51,7 @@ class SweepCallback(Callback):
     """Submits the queued Slurm runs as one array when Hydra's sweep ends; sets the exit status."""
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
-        from rft.launch import submit_array
+        from rft.launch.submit import submit_array
         from rft.runtime.run_dir import release
 
         code = max(EXIT_CODES, default=0)

@@ -1,5 +1,5 @@
 """The launcher's view of a running job: live progress bar until it ends or a rank fails
-(rft/failures.py says which and why), and the summary tables at the end."""
+(rft/launch/failures.py says which and why), and the summary tables at the end."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rft.console import console
+from rft.launch.console import console
 from rft.data.taskset import file_counts
-from rft.failures import EngineLosses, RankFailure, find_failures, root_cause, silent_rank, stopped_responding
-from rft.job_state import local_rank_alive
-from rft.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
+from rft.launch.failures import EngineLosses, RankFailure, find_failures, root_cause, silent_rank, stopped_responding
+from rft.launch.job_state import local_rank_alive
+from rft.runtime.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
 from rft.runtime.pulse import SILENT_S
 
 

@@ -1,4 +1,5 @@
-"""What every task of a job runs: find its role from its rank, then run the trainer or explorer."""
+"""What every task of a job runs: its topology from its rank (computed once, handed to the role),
+then the trainer, the explorer, a judge engine, the server or the bench."""
 
 from __future__ import annotations
 
@@ -13,20 +14,20 @@ def pid_path(run_dir: str, rank: int, supervisor: bool = False) -> str:
     return os.path.join(run_dir, "pids", f"rank{rank}{'.supervisor' if supervisor else ''}.pid")
 
 
-def _roll_back_buffer(cfg, info, resume) -> None:
+def _roll_back_buffer(cfg, topology, resume) -> None:
     """Set aside this producer's experience written after its checkpoint (see
     ExperienceBuffer.roll_back), and return to the pool what it wrote before it but the trainer
     consumed after its own (with sync.offset the explorer saves ahead of the trainer)."""
     from rft.buffer.shards import ExperienceBuffer
-    from rft.checkpoint import requeue_count
+    from rft.runtime.checkpoint import requeue_count
 
-    written = resume.load(info.rank)["progress"]["global_step"]  # shards [0, written) are in this checkpoint
+    written = resume.load(topology.rank)["progress"]["global_step"]  # shards [0, written) are in this checkpoint
     buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
     into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{written:08d}"
-    moved = buffer.roll_back(info.rank, written, into)
+    moved = buffer.roll_back(topology.rank, written, into)
     if moved:
         print(f"set aside {len(moved)} experience shard(s) written after the checkpoint: buffer/{into}", flush=True)
-    reopened = buffer.reopen(info.rank, resume.done)
+    reopened = buffer.reopen(topology.rank, resume.done)
     if reopened:
         print(f"{len(reopened)} experience shard(s) the trainer took after its checkpoint are ready again "
               f"(steps {resume.done} to {written - 1})", flush=True)
@@ -42,13 +43,13 @@ def run_rank(config: dict, master_port: int) -> dict:
 
     # The task outlives its rank by the time it takes to hand the rank's outcome to submitit
     # (unpickling an exception may import torch or vLLM: seconds): the launcher counts a rank
-    # alive while either process is (rft/job_state.py), so that is not mistaken for a silent death.
+    # alive while either process is (rft/launch/job_state.py), so that is not mistaken for a silent death.
     path = pid_path(config["run"]["output_dir"], submitit.JobEnvironment().global_rank, supervisor=True)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         f.write(str(os.getpid()))
     try:
-        return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config))
+        return run_supervised(lambda: _rank_main(config, master_port), _rank_name(config, master_port))
     except Exception as err:  # not a Ctrl-C or a cancel: the whole job is ending then
         _mark_lost(config, master_port, err)
         raise
@@ -61,41 +62,32 @@ def _mark_lost(config: dict, master_port: int, err: BaseException) -> None:
     if config["mode"] in ("bench", "serve"):
         return
     try:
-        cfg, info = _rank_setup(config, master_port)
-        from rft.cluster import control_members
-
-        if info.rank == 0 or info.rank not in control_members(cfg, info):
+        _, topology = _rank_setup(config, master_port)
+        if topology.rank == 0 or topology.rank not in topology.voting_ranks:
             return
         import datetime
 
-        from rft.preemption import control_store
+        from rft.runtime.preemption import control_store
         from rft.runtime.membership import mark_lost
 
         how = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        mark_lost(control_store(info, datetime.timedelta(seconds=3)), info.rank, how)
+        mark_lost(control_store(topology, datetime.timedelta(seconds=3)), topology.rank, how)
     except Exception as mark_err:  # the store is gone with rank 0, or never came up: the job ends anyway
         print(f"could not mark this rank lost in the control store: {mark_err}", flush=True)
 
 
-def _rank_name(config: dict) -> str:
-    """"trainer rank 0", "rollout rank 1", "rollout rank 2 (engine 1)": cheap, from the task's
-    environment (no torch import)."""
+def _rank_name(config: dict, master_port: int) -> str:
+    """"trainer rank 0", "rollout rank 1", "rollout rank 2 (engine 1)", "judge rank 3" (no torch
+    import: the supervisor names the rank before it starts)."""
     import submitit
 
     rank = submitit.JobEnvironment().global_rank
-    mode, trainers = config["mode"], config["cluster"]["trainer_ranks"]
-    if mode == "bench":
+    if config["mode"] == "bench":
         return f"bench rank {rank}"
-    trainers = 0 if mode in ("explore", "serve") else trainers  # rollout ranks only
-    if mode == "train" or rank < trainers:
-        return f"trainer rank {rank}"
-    if rank >= trainers + config["cluster"]["rollout_ranks"]:
-        return f"judge rank {rank}"
-    # with several engines, say which one (rft.cluster.engine_index, from the plain config)
-    span = config["rollout"]["tensor_parallel_size"] if config["cluster"]["gpus_per_node"] else 1
-    engines = config["cluster"]["rollout_ranks"] // max(span, 1)
-    role_rank = rank - trainers
-    return f"rollout rank {rank}" + (f" (engine {role_rank // span})" if engines > 1 else "")
+    try:
+        return _rank_setup(config, master_port)[1].member_name(rank)
+    except Exception:  # a job of the wrong size: the rank itself reports it
+        return f"rank {rank}"
 
 
 def _slurm_job_id() -> str | None:
@@ -120,43 +112,29 @@ def _start_over_after_requeue(cfg, resume) -> None:
 
 
 def _rank_setup(config: dict, master_port: int):
-    """The typed config with the ranks this mode runs, and this task's RankInfo."""
-    from rft.cluster import rank_info_from_env
+    """The typed config and this task's Topology (the ranks its mode runs: Topology.of)."""
     from rft.config import RFTConfig
+    from rft.runtime.topology import Topology
 
     cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
-    if cfg.mode == "train":  # offline: trainer ranks only
-        cfg.cluster.rollout_ranks = cfg.cluster.judge_ranks = 0
-    if cfg.mode == "explore":  # rollouts only: the experience stays in the buffer for a trainer elsewhere
-        cfg.cluster.trainer_ranks = 0
-    if cfg.mode == "serve":  # the OpenAI endpoint only (rft/explorer/serve.py)
-        cfg.cluster.trainer_ranks = cfg.cluster.judge_ranks = 0
-    return cfg, (None if cfg.mode == "bench" else rank_info_from_env(cfg.cluster, master_port))
+    return cfg, (None if cfg.mode == "bench" else Topology.from_env(cfg, master_port))
 
 
 def _rank_main(config: dict, master_port: int) -> dict:
-    from rft.cluster import (
-        control_members,
-        engine_devices,
-        init_trainer_group,
-        is_engine_follower,
-        is_judge_follower,
-        losable_members,
-        member_name,
-    )
+    from rft.runtime.topology import engine_devices, init_trainer_group
 
-    cfg, info = _rank_setup(config, master_port)
+    cfg, topology = _rank_setup(config, master_port)
     if cfg.mode == "bench":  # one rollout task, no trainer, no weight sync
-        from rft.bench import run_bench
+        from rft.explorer.bench import run_bench
 
         return run_bench(cfg)
-    os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, info.rank)), exist_ok=True)
-    with open(pid_path(cfg.run.output_dir, info.rank), "w") as f:
+    os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, topology.rank)), exist_ok=True)
+    with open(pid_path(cfg.run.output_dir, topology.rank), "w") as f:
         f.write(str(os.getpid()))
     from rft.runtime.pulse import start_pulse
 
-    start_pulse(pid_path(cfg.run.output_dir, info.rank))  # the launcher tells a stopped rank by it
-    print(f"rank {info.rank}/{info.world_size}: {info.role} (role rank {info.role_rank})", flush=True)
+    start_pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
+    print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank})", flush=True)
     import torch
 
     # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe
@@ -164,53 +142,53 @@ def _rank_main(config: dict, master_port: int) -> dict:
     cores = os.cpu_count() or 1
     threads = cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset else cores)
     torch.set_num_threads(threads)
-    from rft.checkpoint import newest_complete
-    from rft.preemption import ControlGroup, StopFlag, hold_until_finished
+    from rft.runtime.checkpoint import newest_complete
+    from rft.runtime.preemption import ControlGroup, StopFlag, hold_until_finished
 
     try:
         stop = StopFlag()
         stop.install()  # replaces submitit's requeue-on-SIGUSR2: every rank must save first
-        if is_judge_follower(cfg, info):
-            return hold_until_finished(info)
-        if info.role == "judge":  # a frozen engine rewards ask; no state, no votes (rft/explorer/judge_rank.py)
+        if topology.is_judge_follower:
+            return hold_until_finished(topology)
+        if topology.role == "judge":  # a frozen engine rewards ask; no state, no votes (rft/explorer/judge_rank.py)
             from rft.explorer.judge_rank import run_judge
 
-            return run_judge(cfg, info)
+            return run_judge(cfg, topology)
         if cfg.mode == "serve":  # no tasks, no trainer, no checkpoints: sessions in, shards out
             from rft.explorer.serve import run_server
 
-            return run_server(cfg, info, ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s), stop)
-        resume = newest_complete(cfg.run.output_dir, control_members(cfg, info))
+            return run_server(cfg, topology, ControlGroup(topology, topology.voting_ranks, cfg.sync.timeout_s), stop)
+        resume = newest_complete(cfg.run.output_dir, topology.voting_ranks)
         job_id = _slurm_job_id() if cfg.cluster.kind == "slurm" else None  # (a local run may sit in an salloc)
-        if info.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json
+        if topology.rank == 0 and job_id is not None:  # a requeue finds its own job in owner.json
             from rft.runtime.run_dir import check_job_owns
 
             check_job_owns(cfg.run.output_dir, job_id)
             _start_over_after_requeue(cfg, resume)
         if resume is not None:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
-            if info.role == "rollout":
-                _roll_back_buffer(cfg, info, resume)
-        if is_engine_follower(cfg, info):
-            return hold_until_finished(info)
-        if info.role == "rollout" and cfg.cluster.gpus_per_node:
-            os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg)  # this group's GPUs, for vLLM
+            if topology.role == "rollout":
+                _roll_back_buffer(cfg, topology, resume)
+        if topology.is_engine_follower:
+            return hold_until_finished(topology)
+        if topology.role == "rollout" and cfg.cluster.gpus_per_node:
+            os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg.cluster, topology.engine_span)  # this group's GPUs, for vLLM
         # every rank meets here, so no trainer claims experience before the rollback above
-        control = ControlGroup(info, control_members(cfg, info), cfg.sync.timeout_s,
-                               lambda rank: member_name(cfg, info, rank), losable_members(cfg, info))
-        if info.role == "trainer":
+        control = ControlGroup(topology, topology.voting_ranks, cfg.sync.timeout_s, topology.member_name,
+                               topology.losable_ranks)
+        if topology.role == "trainer":
             from rft.trainer.trainer import run_trainer
 
-            init_trainer_group(info, cfg.sync.timeout_s)
-            summary = run_trainer(cfg, info, control, stop, resume)
+            init_trainer_group(topology, cfg.sync.timeout_s)
+            summary = run_trainer(cfg, topology, control, stop, resume)
         else:
             from rft.explorer.explorer import run_explorer
 
-            summary = run_explorer(cfg, info, control, stop, resume)
+            summary = run_explorer(cfg, topology, control, stop, resume)
         # the last meeting: rank 0 hosts the store the engines deal tasks through until every
         # rank is done (the engines' final evaluation comes after the trainer's last step)
         control.any(False)
-        if info.rank == 0:
+        if topology.rank == 0:
             control.finish()
         return summary
     except BaseException:

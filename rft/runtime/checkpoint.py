@@ -8,7 +8,7 @@ the newest complete one; a file whose bytes then fail their sha256 sets its chec
     <run>/checkpoints/requeues.json                            (how often the job requeued itself)
 
 `step00000123` means 123 steps are done and the weight sync of the 123rd is still to come: ranks
-save after agreeing at a step's control point, before that step's sync (rft/preemption.py), so a
+save after agreeing at a step's control point, before that step's sync (rft/runtime/preemption.py), so a
 resumed job starts with that sync. Trainer files hold the Megatron shard, optimizer, scheduler,
 RNG, taskset cursor and the step's pending log line; rollout files hold the step, the rollout
 taskset cursor and its weights version. Why per-rank torch.save rather than Megatron's
@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rft import faults
+from rft.runtime import faults
 from rft.runtime.storage import written_whole_or_not_at_all
 
 _STEP_DIR = re.compile(r"^step(\d{8,})$")
@@ -69,7 +69,7 @@ class _HashingWriter:
 def save_rank_state(run_dir: str, done: int, rank: int, state: dict[str, Any]) -> str:
     """Write this rank's state for `done` completed steps atomically (temp file + rename), with its
     size and sha256 beside it: a file torn by a failing disk or filesystem is then told apart."""
-    from rft.monitor import write_json_atomic
+    from rft.runtime.monitor import write_json_atomic
 
     step_dir = os.path.join(checkpoint_root(run_dir), f"step{done:08d}")
     os.makedirs(step_dir, exist_ok=True)
@@ -135,7 +135,7 @@ def _stand_ins(step_dir: str) -> dict[int, int]:
 
 def record_stand_ins(run_dir: str, done: int, stand_ins: dict[int, int]) -> None:
     """Rank 0, once the present ranks saved at `done`: the lost ones count as saved by stand-ins."""
-    from rft.monitor import write_json_atomic
+    from rft.runtime.monitor import write_json_atomic
 
     write_json_atomic(os.path.join(checkpoint_root(run_dir), f"step{done:08d}", "stand_ins.json"), stand_ins)
 
@@ -177,7 +177,7 @@ class Resume:
 
 
 def newest_complete(run_dir: str, ranks: Sequence[int]) -> Resume | None:
-    """The newest checkpoint every saving rank (rft.cluster.voting_ranks) finished writing (a
+    """The newest checkpoint every saving rank (Topology.voting_ranks, rft/runtime/topology.py) finished writing (a
     crash mid-save leaves an incomplete one, which is skipped)."""
     for done, step_dir in reversed(_step_dirs(run_dir)):
         if _complete(step_dir, ranks):
@@ -229,7 +229,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 class SaveClock:
     """`trainer.save_every_min`: a checkpoint is due when this many minutes passed since the last
     one (or the start). Each rank keeps its own clock and votes at the step's control point; the
-    vote's OR makes every rank save at the same step (rft/preemption.py)."""
+    vote's OR makes every rank save at the same step (rft/runtime/preemption.py)."""
 
     def __init__(self, minutes: float):
         self.seconds = minutes * 60.0
@@ -256,7 +256,7 @@ def requeue_count(run_dir: str) -> int:
 
 def record_requeue(run_dir: str, done: int) -> int:
     """Count one more requeue (written before asking Slurm, so a crash cannot undercount)."""
-    from rft.monitor import write_json_atomic
+    from rft.runtime.monitor import write_json_atomic
 
     count = requeue_count(run_dir) + 1
     os.makedirs(checkpoint_root(run_dir), exist_ok=True)

@@ -27,7 +27,7 @@ import time
 
 POINTS = ("generation", "train", "sync", "save")
 KINDS = ("corrupt_shard",  # rft/buffer/shards.py: ExperienceBuffer.write
-         "file_size_limit",  # rft/checkpoint.py: save_rank_state
+         "file_size_limit",  # rft/runtime/checkpoint.py: save_rank_state
          *(f"{act}_{point}" for act in ("kill", "stop") for point in POINTS))  # strike()
 _fired: set[tuple[str, int]] = set()
 

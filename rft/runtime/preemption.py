@@ -4,7 +4,7 @@ Slurm sends SIGUSR2 to every task `signal_delay_s` before the time limit (submit
 `--signal=USR2@120`; `scancel -s USR2 <job>` sends it by hand, a site's preemption can too). Any
 rank's handler only raises a flag. At every step's control point all ranks (trainer and rollout)
 vote through the control store (rft/runtime/membership.py), so all of them stop at the same step,
-save their checkpoint files (rft/checkpoint.py), meet once more so the checkpoint is complete,
+save their checkpoint files (rft/runtime/checkpoint.py), meet once more so the checkpoint is complete,
 and then rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless `cluster.max_requeues`
 is used up. The requeued job runs the same submitted ranks again; they find the checkpoint and
 resume. SIGTERM stays ignored (submitit's choice): `scancel` sends it, and a cancelled job must not
@@ -25,7 +25,7 @@ import time
 
 import torch.distributed as dist
 
-from rft.cluster import RankInfo
+from rft.runtime.topology import Topology
 
 
 class StopFlag:
@@ -65,16 +65,16 @@ class ControlGroup:
     rollout.on_engine_failure=continue a lost engine leader is left out; any other lost member
     ends the meeting with an error naming it."""
 
-    def __init__(self, info: RankInfo, members: list[int], timeout_s: float, name_of=None,
+    def __init__(self, topology: Topology, members: list[int], timeout_s: float, name_of=None,
                  tolerated: frozenset[int] = frozenset()):
         from rft.runtime.membership import Meeting
 
-        self.info, self.members, self.timeout = info, members, datetime.timedelta(seconds=timeout_s)
-        self.store = control_store(info, self.timeout)
-        self.meeting = Meeting(self.store, members, info.rank, timeout_s, name_of or (lambda r: f"rank {r}"), tolerated,
+        self.topology, self.members, self.timeout = topology, members, datetime.timedelta(seconds=timeout_s)
+        self.store = control_store(topology, self.timeout)
+        self.meeting = Meeting(self.store, members, topology.rank, timeout_s, name_of or (lambda r: f"rank {r}"), tolerated,
                                host=0)
         self.rounds = 0
-        self.vote()  # every member is up: nothing is taken before all ranks set up (rft/job.py)
+        self.vote()  # every member is up: nothing is taken before all ranks set up (rft/runtime/task.py)
 
     @property
     def present(self) -> list[int]:
@@ -98,36 +98,36 @@ class ControlGroup:
         self.store.set("rft-finished", "1")
 
 
-def control_store(info: RankInfo, timeout: datetime.timedelta) -> dist.Store:
+def control_store(topology: Topology, timeout: datetime.timedelta) -> dist.Store:
     """The job's key-value store, hosted by rank 0 (votes, the dealer's counters, judge URLs)."""
-    return dist.TCPStore(info.master_addr, info.master_port + 2, None, is_master=info.rank == 0,
+    return dist.TCPStore(topology.master_addr, topology.master_port + 2, None, is_master=topology.rank == 0,
                          timeout=timeout, wait_for_workers=False)
 
 
-def hold_until_finished(info: RankInfo, poll_s: float = 5.0) -> dict:
+def hold_until_finished(topology: Topology, poll_s: float = 5.0) -> dict:
     """An engine follower's whole life: keep its GPU slot until rank 0 says the run is over or
     its store is gone (rank 0 ended or failed; Slurm then ends the job)."""
-    print(f"rank {info.rank}: holds its GPU for the vLLM engine of this rollout group", flush=True)
+    print(f"rank {topology.rank}: holds its GPU for the vLLM engine of this rollout group", flush=True)
     try:
-        store = control_store(info, datetime.timedelta(seconds=600))
+        store = control_store(topology, datetime.timedelta(seconds=600))
         while not store.check(["rft-finished"]):
             time.sleep(poll_s)
     except Exception:  # the store went away with rank 0
         pass
-    return {"role": "engine follower", "rank": info.rank}
+    return {"role": "engine follower", "rank": topology.rank}
 
 
 
 def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: int, max_requeues: int) -> None:
     """After every rank saved at `done` steps: rank 0 requeues the Slurm job if allowed; then
     every rank waits to be killed by the requeue, or raises saying how to resume."""
-    from rft.checkpoint import record_requeue, requeue_count
+    from rft.runtime.checkpoint import record_requeue, requeue_count
 
-    info = control.info
+    topology = control.topology
     job_id = os.environ.get("SLURM_JOB_ID")
     print(f"rft: stop requested (SIGUSR2: time limit or preemption); saved at step {done}", flush=True)
     will_requeue, reason = False, ""
-    if info.rank == 0:
+    if topology.rank == 0:
         if job_id is None:
             reason = "not a Slurm job"
         elif requeue_count(run_dir) >= max_requeues:
@@ -139,7 +139,7 @@ def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: i
         # every rank must expect Slurm's SIGTERM before rank 0 triggers it
         flag.awaiting_requeue = True
         control.any(False)
-        if info.rank == 0:
+        if topology.rank == 0:
             out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
             if out.returncode != 0:
                 raise RuntimeError(f"stopped on a signal at step {done} (checkpoint complete) but "

@@ -1,0 +1,47 @@
+"""The `algorithm` section: what a training step computes (presets in conf/algorithm/)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LR_DECAYS = ("constant", "linear", "cosine")  # algorithm.lr_decay (rft/trainer/optimizer.py)
+
+
+@dataclass
+class AlgorithmConfig:
+    """What a step computes. Presets: conf/algorithm/<name>.yaml (`algorithm=dapo`); the registry
+    keys (advantage, policy_loss, kl_estimator, loss_agg, sample_filter) take a built-in name or a
+    dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
+
+    name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) (rft/algorithms/advantages.py)
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | sft | dpo (rft/algorithms/policy_losses.py); sft, dpo: no rollouts
+    loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
+    loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
+    sample_filter: str = "none"  # none | zero_variance (DAPO dynamic sampling; the explorer refills)
+    group_size: int = 8  # samples per task (GRPO group)
+    clip_eps: float = 0.2  # PPO ratio clip (lower side)
+    clip_eps_high: Optional[float] = None  # upper side (DAPO clip-higher); None: clip_eps
+    dual_clip_c: Optional[float] = None  # dual-clip bound for negative advantages (e.g. 3.0); None: off
+    cispo_clip_high: float = 0.28  # CISPO: IS weight capped at 1 + this
+    tis_cap: Optional[float] = None  # truncated IS between trainer and vLLM logprobs (e.g. 2.0); None: off
+    norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
+    gamma: float = 1.0  # discount (reinforce_pp, gae)
+    lam: float = 1.0  # GAE lambda
+    critic_lr: float = 1e-5  # gae: AdamW learning rate of the critic (value model, rft/trainer/critic.py)
+    value_clip: Optional[float] = 0.2  # gae: the critic's values move at most this far from V_old per step; None: off
+    kl_coef: float = 0.0  # weight of the KL to a frozen reference model (0: no reference)
+    kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (rft/algorithms/kl.py)
+    kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
+    entropy_coef: float = 0.0  # entropy bonus weight
+    dpo_beta: float = 0.1  # DPO: strength of the implicit KL to the reference (policy_loss=dpo, mode=train)
+    reward: str = "exact_match"  # exact_match | math_verify | llm_judge (asks the judge engines) | dotted path
+    ppo_epochs: int = 1  # passes over each rollout batch (old logprobs, advantages fixed for the batch)
+    mini_batch_size: int = 0  # rows per optimizer step (0: the whole batch); steps = ppo_epochs x ceil(rows / this)
+    lr: float = 1e-5  # AdamW learning rate
+    weight_decay: float = 0.0  # AdamW weight decay
+    grad_clip: float = 1.0  # max global grad norm (0: no clipping)
+    warmup_steps: int = 0  # linear LR warm-up steps
+    lr_decay: str = "constant"  # after warm-up: constant | linear | cosine (to min_lr_ratio x lr at the stage's end)
+    min_lr_ratio: float = 0.0  # lr_decay linear/cosine: the last step's lr as a share of lr

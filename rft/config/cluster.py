@@ -1,0 +1,45 @@
+"""The `cluster` section (ranks, Slurm request, container) and `sync` (how weights move from
+trainer to rollout ranks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class SyncConfig:
+    interval: int = 1  # rollout stages: trainer steps between weight syncs (rft/runtime/schedule.py)
+    offset: int = 0  # rollout stages: explorer steps ahead of the trainer (0: take turns, 1: one-step-off)
+    engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
+    bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
+    wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype
+    checkpoint_dir: Optional[str] = None  # checkpoint engine: where versions go (default: <run>/weights)
+    timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
+    lora: str = "merged"  # LoRA stages: merged (W + B A, every weight) | adapter (A and B only, vLLM's LoRA)
+
+
+@dataclass
+class ClusterConfig:
+    kind: str = "auto"  # auto (slurm if sbatch is on PATH and the controller answers) | local | slurm
+    trainer_ranks: int = 1  # ranks [0, T) train
+    rollout_ranks: int = 1  # ranks [T, T+R) generate
+    judge_ranks: int = 0  # ranks [T+R, T+R+J) serve frozen judge engines (rft/explorer/judge.py; 0: none)
+    timeout_min: int = 240  # wall-clock limit of the job
+    master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
+    wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)
+    partition: Optional[str] = None  # slurm partition (checked with sinfo before submit)
+    account: Optional[str] = None  # slurm account to charge
+    qos: Optional[str] = None  # slurm quality of service
+    constraint: Optional[str] = None  # slurm node features, e.g. "a100&ib"
+    nodes: int = 1  # nodes in the allocation
+    gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs
+    cpus_per_task: int = 1  # CPU cores per task
+    mem_gb: Optional[int] = None  # memory per node (None: the partition's default)
+    setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load ...)
+    sbatch_extra: dict[str, Any] = field(default_factory=dict)  # any other sbatch option, e.g. {reservation: x}
+    container_image: Optional[str] = None  # Apptainer image the ranks run in (launch/rank.sh)
+    container_binds: list[str] = field(default_factory=list)  # paths bound into the container
+    env: dict[str, str] = field(default_factory=dict)  # exported for every rank, e.g. NCCL_IB_HCA
+    max_requeues: int = 3  # times a job stopped by the time-limit signal requeues itself
+    signal_delay_s: int = 120  # Slurm sends SIGUSR2 this long before the time limit: save, requeue

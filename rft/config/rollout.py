@@ -1,0 +1,64 @@
+"""The sections of the rollout side: `rollout` (sampling, workflows, engines), `judge` (frozen
+engines rewards ask), `serve` (mode=serve) and `bench` (mode=bench)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+
+@dataclass
+class RolloutConfig:
+    tasks_per_step: int = 16  # tasks per training step (each sampled group_size times)
+    max_new_tokens: int = 256  # response length limit
+    temperature: float = 1.0  # sampling temperature for training rollouts
+    top_p: float = 1.0  # nucleus sampling for training rollouts
+    eval_temperature: float = 0.0  # 0: greedy eval
+    stop: list[str] = field(default_factory=list)  # extra stop strings
+    kv_cache_gb: float = 1.0  # KV cache memory for vLLM (CPU: GiB of RAM)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only)
+    tensor_parallel_size: int = 1  # vLLM TP per engine
+    max_num_seqs: int = 256  # vLLM scheduler batch limit
+    reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
+    max_sampling_rounds: int = 3  # dynamic sampling (algorithm.sample_filter): generation rounds per step
+    workflow: str = "single_turn"  # single_turn | multi_turn | step_wise | dotted path (rft/explorer/workflows/)
+    env: Optional[str] = None  # multi_turn/step_wise: grid_world | calculator | dotted path to a Gymnasium Env class
+    env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
+    max_turns: int = 8  # multi_turn/step_wise: model turns per episode
+    max_concurrent_tasks: int = 256  # trajectories in flight at once (a workflow waiting on a tool holds one)
+    task_timeout_s: float = 600.0  # a workflow try running longer is cancelled (and retried)
+    max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
+    openai_api: bool = False  # every engine also serves vLLM's OpenAI API; rewarded sessions join the step's experience
+    on_engine_failure: str = "fail"  # fail: a lost engine ends the job, naming it | continue: the other engines take its tasks
+    openai_port: int = 0  # engine e listens on openai_port + e (0: any free port); URLs in <run>/endpoints.json
+
+
+@dataclass
+class JudgeConfig:
+    """Frozen vLLM engines on `cluster.judge_ranks` that rewards ask (`await judge.chat(...)`)."""
+
+    kind: str = "generate"  # generate: an LLM judge (judge.chat / judge.complete) | classify: a reward model, an HF sequence-classification model (judge.score)
+    model: Optional[str] = None  # HF model directory of the judge (None: the policy's starting weights, model.path)
+    tensor_parallel_size: int = 1  # vLLM TP per judge engine (on GPU nodes: tasks per judge engine)
+    timeout_s: float = 30.0  # a judge call slower than this fails (the reward scores 0, judge/timeouts counts it)
+    max_new_tokens: int = 64  # default length of a judge's answer
+    temperature: float = 0.0  # default sampling temperature of the judge (0: greedy)
+    kv_cache_gb: float = 1.0  # KV cache memory of each judge engine (CPU: GiB of RAM)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory a judge engine may use (GPU only)
+    max_num_seqs: int = 256  # vLLM scheduler batch limit: concurrent judge calls are batched up to this
+
+
+@dataclass
+class ServeConfig:
+    """mode=serve (rft/explorer/serve.py): rollout ranks that only serve the OpenAI endpoint."""
+
+    step_s: float = 10.0  # this often: rewarded sessions are written as a shard, new published weights are loaded
+    duration_min: Optional[float] = None  # stop after this long (None: until cancelled or the job's time limit)
+
+
+@dataclass
+class BenchConfig:
+    checkpoints: list[str] = field(default_factory=list)  # HF model directories to evaluate, in order
+    run_dir: Optional[str] = None  # also every HF export of this run (<run>/checkpoints/hf/v*, trainer.save_hf)
+    k: list[int] = field(default_factory=lambda: [1, 4])  # pass@k and mean@k for these k (n = max k samples)
+    temperature: float = 1.0  # sampling temperature of the bench samples

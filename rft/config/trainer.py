@@ -1,0 +1,43 @@
+"""The `trainer` section: steps, microbatches, parallel layout, checkpoints, LoRA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # Megatron's parallel linears (lora.py)
+
+
+@dataclass
+class LoRAConfig:
+    """Low-rank adapters on Megatron's parallel linear layers (rft/trainer/lora.py); per stage."""
+
+    rank: int = 0  # adapter rank (0: off, every weight trains)
+    alpha: float = 16.0  # the adapters' output is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input
+    target_modules: list[str] = field(default_factory=lambda: list(LORA_TARGETS))  # Megatron linears that get adapters: any of linear_qkv, linear_proj, linear_fc1, linear_fc2
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = MISSING  # optimizer steps in this stage
+    micro_batch_size: int = 8  # sequences per forward/backward (padded), unless the token budget below is set
+    max_tokens_per_microbatch: int = 0  # >0: rows packed (no padding) up to this many tokens per forward/backward
+    skip_zero_advantage_rows: bool = True  # rows with advantage 0 everywhere skip the forward when only the policy loss sees them
+    tensor_parallel_size: int = 1  # Megatron TP
+    pipeline_parallel_size: int = 1  # Megatron PP: stages run Megatron's 1F1B schedule (rft/trainer/pipeline.py)
+    virtual_pipeline_stages: int = 1  # >1 (with PP >= 2): model chunks per stage, Megatron's interleaved 1F1B
+    sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
+    threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
+    save_interval: int = 0  # also checkpoint every N global steps (0: by time and on Slurm's time-limit signal only)
+    save_every_min: float = 30.0  # checkpoint when this many minutes passed since the last one (0: off)
+    save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
+    keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
+    loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
+    distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
+    recompute: str = "none"  # none | selective (core attention) | full (every layer): activations redone in backward
+    sequence_parallel: bool = False  # with TP > 1: norms and residuals hold 1/TP of the sequence each (Megatron's SP)
+    transformer_impl: str = "auto"  # auto (Transformer Engine on GPUs where it imports, without LoRA) | local | transformer_engine
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end

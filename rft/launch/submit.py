@@ -1,0 +1,201 @@
+"""Submitting a composed run (submitit's local or Slurm executor), or a sweep as one Slurm job
+array, and following it to its end: progress bar, the first failed rank, the summary."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+
+from omegaconf import OmegaConf
+
+from rft.config import RFTConfig, world_size
+from rft.runtime.run_dir import Owner
+from rft.runtime.topology import Topology
+
+
+def _executor(cfg: RFTConfig, log_dir: str):
+    """(submitit executor, rendezvous port) for cfg's cluster; port 0: each Slurm task derives it."""
+    import submitit
+
+    from rft.runtime.topology import free_port
+
+    if cfg.cluster.kind == "slurm":
+        import logging
+
+        from rft.launch.slurm import make_executor
+
+        # submitit reads job states with sacct and warns on every poll where accounting is off;
+        # rft follows the job through its result files and squeue instead
+        logging.getLogger("submitit").setLevel(logging.ERROR)
+        return make_executor(cfg, log_dir), cfg.cluster.master_port
+    executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
+    world = world_size(cfg)
+    executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min, gpus_per_node=0)
+    return executor, cfg.cluster.master_port or free_port()
+
+
+@contextlib.contextmanager
+def _output_to(path: str):
+    """Point this process's stdout/stderr file descriptors at `path` for the duration, so a child
+    started meanwhile inherits the file: submitit's local controller prints a KeyboardInterrupt
+    traceback when a job is cancelled, which belongs in the logs, not on the user's terminal."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(path, "ab") as log:
+        os.dup2(log.fileno(), 1)
+        os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in saved:
+            os.close(fd)
+
+
+def _submit_jobs(executor, cfg: RFTConfig, configs: list[dict], port: int, log_dir: str) -> list:
+    from rft.runtime.task import run_rank
+
+    if cfg.cluster.kind != "local":
+        return [executor.submit(run_rank, config, port) for config in configs]
+    os.makedirs(log_dir, exist_ok=True)
+    with _output_to(os.path.join(log_dir, "local-controller.log")):
+        return [executor.submit(run_rank, config, port) for config in configs]
+
+
+def _resolved_config(cfg: RFTConfig) -> dict:
+    """The config tree the ranks get, also saved as <output dir>/config.yaml."""
+    config = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    OmegaConf.save(OmegaConf.create(config), os.path.join(cfg.run.output_dir, "config.yaml"))
+    return config
+
+
+def follow(job, cfg: RFTConfig, log_dir: str) -> int:
+    """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
+    from rich.markup import escape
+
+    from rft.runtime.monitor import write_json_atomic
+    from rft.runtime.pulse import SILENT_S
+    from rft.launch.console import console
+    from rft.launch.job_state import job_watch, local_rank_processes, stop_local_ranks, wait_until_gone
+    from rft.launch.report import build_summary, print_summary, watch
+
+    world, topology = world_size(cfg), Topology.of(cfg)
+    on_slurm = cfg.cluster.kind == "slurm"
+    # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
+    try:
+        failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
+                        on_slurm=on_slurm, engine_of=losable_engines(topology), name_of=topology.member_name,
+                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S)  # its peers had their chance to time out
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
+        console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
+                      f"run.output_dir={cfg.run.output_dir} to resume from its newest checkpoint", soft_wrap=True)
+        return 130
+    finally:
+        if not done():
+            processes = [] if on_slurm else local_rank_processes(cfg.run.output_dir, log_dir, world)
+            job.cancel()
+            if not on_slurm:  # Slurm ends every process of a cancelled job; a local cancel does not
+                # submitit's local cancel gives the ranks a Ctrl-C and a second (serve mode writes
+                # the sessions rewarded since its last step then); what outlives it is killed
+                deadline = time.monotonic() + 5.0
+                while not done() and time.monotonic() < deadline:
+                    time.sleep(0.1)
+                stop_local_ranks(processes)
+    if failure is not None:
+        # the reason quotes the rank's error, which may hold brackets (gloo's "[/.../pair.cc:553]")
+        # that rich would take for markup
+        console.print(f"[red]rank {failure.rank} failed: {escape(failure.reason)}\n  log: {escape(failure.log_path)}",
+                      soft_wrap=True)
+        return 1
+    if on_slurm and not wait_until_gone(job.job_id):
+        console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
+    if cfg.mode == "serve":
+        from rft.launch.report import served_line
+
+        console.print(served_line(cfg.run.output_dir, world))
+        return 0
+    if cfg.mode == "bench":
+        with open(os.path.join(cfg.run.output_dir, "bench.md")) as f:
+            console.print(f.read(), soft_wrap=True)
+        console.print(f"tables: {cfg.run.output_dir}/bench.csv, bench.md")
+        return 0
+    summary = build_summary(cfg.run.output_dir, world)
+    write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
+    print_summary(summary)
+    console.print(f"outputs: {cfg.run.output_dir}")
+    return 0
+
+
+def losable_engines(topology: Topology) -> dict[int, int]:
+    """rank -> engine index for the ranks of engines the run goes on without (rollout.on_engine_failure)."""
+    if not topology.lose_engines:
+        return {}
+    return {rank: e for e, ranks in enumerate(topology.engine_ranks) for rank in ranks}
+
+
+def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
+    """Submit one run (submitit local or Slurm executor); follow it unless it is a Slurm job
+    without `cluster.wait`. Returns the process exit code."""
+    from rft.launch.console import console
+    from rft.launch.plan import print_plan
+    from rft.runtime.run_dir import set_job
+
+    log_dir = os.path.join(cfg.run.output_dir, "logs")
+    print_plan(cfg, log_dir, attempt)
+    # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
+    shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
+    executor, port = _executor(cfg, log_dir)
+    (job,) = _submit_jobs(executor, cfg, [_resolved_config(cfg)], port, log_dir)
+    console.print(f"submitted job {job.job_id} ({world_size(cfg)} tasks)")
+    if cfg.cluster.kind == "slurm":
+        set_job(cfg.run.output_dir, owner, job.job_id)  # the job owns the directory, also after we exit
+        console.print(f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err\n"
+                      f"tensorboard: tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}",
+                      soft_wrap=True)
+        if not cfg.cluster.wait:
+            console.print(f"follow it with `squeue -j {job.job_id}`; cancel it with `scancel {job.job_id}`")
+            return 0
+    return follow(job, cfg, log_dir)
+
+
+def submit_array(runs: list[tuple[RFTConfig, Owner, str | None]], sweep_dir: str) -> int:
+    """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
+    from rft.launch.console import console
+    from rft.launch.plan import print_plan
+    from rft.runtime.run_dir import release, set_job
+
+    log_dir = os.path.join(sweep_dir, "logs")
+    first = runs[0][0]
+    print_plan(first, log_dir)
+    for cfg, _, attempt in runs:
+        if attempt is not None:
+            console.print(f"{cfg.run.output_dir}: {attempt}", soft_wrap=True)
+    executor, port = _executor(first, log_dir)
+    with executor.batch():
+        jobs = _submit_jobs(executor, first, [_resolved_config(cfg) for cfg, _, _ in runs], port, log_dir)
+    array_id = jobs[0].job_id.split("_")[0]
+    world = world_size(first)
+    console.print(f"submitted array job {array_id} ({len(runs)} runs x {world} tasks)")
+    for job, (cfg, owner, _) in zip(jobs, runs):
+        set_job(cfg.run.output_dir, owner, job.job_id)
+        console.print(f"  {job.job_id}: {cfg.run.output_dir}  (logs {log_dir}/{job.job_id}_<rank>_log.out|err)",
+                      soft_wrap=True)
+    console.print(f"tensorboard: tensorboard --logdir {sweep_dir}", soft_wrap=True)
+    if not first.cluster.wait:
+        console.print(f"follow it with `squeue -j {array_id}`; cancel it with `scancel {array_id}`")
+        return 0
+    codes = []
+    for job, (cfg, owner, _) in zip(jobs, runs):
+        console.print(f"following {job.job_id} ({cfg.run.output_dir})", soft_wrap=True)
+        codes.append(follow(job, cfg, log_dir))
+        release(cfg.run.output_dir, owner)
+    return max(codes)

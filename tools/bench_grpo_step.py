@@ -45,7 +45,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from bench_quickstart import print_splits, step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 

@@ -30,7 +30,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from bench_weight_sync import resolve_model  # noqa: E402
 
 
@@ -62,14 +61,14 @@ def main() -> None:
     import torch.distributed as dist
     from transformers import AutoTokenizer
 
-    from rft.runtime.topology import free_port
     from rft.config import AlgorithmConfig
+    from rft.runtime.topology import free_port
     from rft.trainer.dpo_step import dpo_step
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.microbatches import microbatches, pair_microbatches
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

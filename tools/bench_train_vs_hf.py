@@ -34,7 +34,6 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
-
 from bench_grpo_step import add_workload_args  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
@@ -113,10 +112,10 @@ def hf_step_fn(model_dir: str, prompts, responses, micro_batch: int, pad_id: int
 
 def rft_step_fn(model_dir: str, prompts, responses, micro_batch: int, pad_id: int, budget: int = 0):
     from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     samples = len(prompts) // len({tuple(p) for p in prompts}) or 1
     batch = StepBatch(prompt_ids=prompts, response_ids=responses,
@@ -131,7 +130,8 @@ def rft_step_fn(model_dir: str, prompts, responses, micro_batch: int, pad_id: in
 
 
 def profile(step, rows: int = 18) -> None:
-    from torch.profiler import ProfilerActivity, profile as torch_profile
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
 
     with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
         step()

@@ -38,8 +38,9 @@ sys.path.insert(0, REPO)
 
 import torch  # noqa: E402
 
-from rft.runtime.topology import Topology, sync_layout  # noqa: E402
 from rft.config import RFTConfig  # noqa: E402
+from rft.runtime.topology import Topology  # noqa: E402
+from rft.weights.engines import sync_layout  # noqa: E402
 
 SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2, 11, 12, 13], [12, 13, 14, 20, 21, 17, 30, 31, 5, 6]]
 
@@ -113,12 +114,12 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
-    from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
-    from rft.weights.convert import load_hf_weights
+    from rft.trainer.train_step import StepBatch, train_step
 
     if torch.cuda.is_available():  # vLLM holds GPU 0; NCCL wants one GPU per rank
         torch.cuda.set_device((1 + rank) % torch.cuda.device_count())
@@ -200,9 +201,9 @@ def main() -> None:
     if args.rollout_tp > 1:
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # see RolloutEngine
 
-    from rft.runtime.topology import free_port
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
+    from rft.runtime.topology import free_port
 
     scratch = tempfile.mkdtemp(prefix="rft-bench-sync-")
     model_dir = resolve_model(args.model, scratch)

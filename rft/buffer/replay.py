@@ -34,8 +34,8 @@ import pyarrow.compute as pc
 
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
 from rft.config import ReplayConfig
-from rft.runtime.monitor import append_jsonl, drop_from_step
 from rft.registry import Registry
+from rft.runtime.monitor import append_jsonl, drop_from_step
 
 PRIORITIES = Registry("replay priority", params=("entry", "step", "config"), returns="float (0: not eligible)")
 LOG = "replay.jsonl"

@@ -11,11 +11,28 @@ the docs site's configuration reference is generated from them (reference.py).
 from rft.config.algorithm import LR_DECAYS, AlgorithmConfig
 from rft.config.buffer import BufferConfig, ReplayConfig
 from rft.config.cluster import ClusterConfig, SyncConfig
-from rft.config.data import (ArithmeticTaskConfig, DataConfig, EnvTasksConfig, JudgeDifficultyConfig, SelectorConfig,
-                             operator_specs)
-from rft.config.derived import (VLLM_LORA_RANKS, adapter_sync, generated_data, judge_span, needs_critic,
-                                needs_rollouts, stage_configs, sync_engine, trains_lora, vllm_lora_rank, wire_dtype,
-                                world_size)
+from rft.config.data import (
+                             ArithmeticTaskConfig,
+                             DataConfig,
+                             EnvTasksConfig,
+                             JudgeDifficultyConfig,
+                             SelectorConfig,
+                             operator_specs,
+)
+from rft.config.derived import (
+                             VLLM_LORA_RANKS,
+                             adapter_sync,
+                             generated_data,
+                             judge_span,
+                             needs_critic,
+                             needs_rollouts,
+                             stage_configs,
+                             sync_engine,
+                             trains_lora,
+                             vllm_lora_rank,
+                             wire_dtype,
+                             world_size,
+)
 from rft.config.errors import config_error
 from rft.config.model import ModelConfig, TinyModelConfig, context_length, hf_config_json
 from rft.config.reference import field_doc

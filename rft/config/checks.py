@@ -16,8 +16,14 @@ from typing import Any, Optional
 from omegaconf import ListConfig
 
 from rft.config import plugin_checks
-from rft.config.derived import (VLLM_LORA_RANKS, generated_data, judge_span, needs_rollouts, stage_configs,
-                                vllm_lora_rank)
+from rft.config.derived import (
+    VLLM_LORA_RANKS,
+    generated_data,
+    judge_span,
+    needs_rollouts,
+    stage_configs,
+    vllm_lora_rank,
+)
 from rft.config.errors import config_error
 from rft.config.model import context_length, hf_config_json
 from rft.config.run import RFTConfig

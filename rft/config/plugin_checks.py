@@ -15,7 +15,13 @@ from typing import Any
 
 from rft.config.algorithm import LR_DECAYS, AlgorithmConfig
 from rft.config.buffer import ReplayConfig
-from rft.config.data import CURRICULUM_PACINGS, DIFFICULTY_WEIGHTINGS, JudgeDifficultyConfig, SelectorConfig, operator_specs
+from rft.config.data import (
+    CURRICULUM_PACINGS,
+    DIFFICULTY_WEIGHTINGS,
+    JudgeDifficultyConfig,
+    SelectorConfig,
+    operator_specs,
+)
 from rft.config.derived import needs_rollouts
 from rft.config.errors import config_error
 from rft.config.run import RFTConfig

@@ -8,6 +8,7 @@ import ast
 import dataclasses
 import inspect
 import io
+import json
 import textwrap
 import tokenize
 import typing
@@ -15,7 +16,9 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any, Optional
 
+import yaml
 from omegaconf import MISSING
+from omegaconf._utils import get_yaml_loader
 
 from rft.config.run import RFTConfig
 
@@ -71,13 +74,21 @@ def yaml_value(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
-    if isinstance(value, str):
-        return repr(value) if value == "" or value != value.strip() or "\n" in value else value
+    if isinstance(value, str):  # quoted where YAML would read it as something else ("{prompt}", "", "1")
+        return value if "\n" not in value and _reads_as(value) == value else json.dumps(value)
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(yaml_value(v) for v in value) + "]"
     if isinstance(value, dict):
         return "{" + ", ".join(f"{k}: {yaml_value(v)}" for k, v in value.items()) + "}"
     return str(value)
+
+
+def _reads_as(text: str) -> Any:
+    """What Hydra's YAML (OmegaConf's loader) makes of `text` written unquoted."""
+    try:
+        return yaml.load(text, get_yaml_loader())
+    except yaml.YAMLError:
+        return None
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -105,8 +116,18 @@ def config_keys(cls: type = RFTConfig, prefix: str = "") -> list[KeyDoc]:
     return keys
 
 
+def _code(text: str) -> str:
+    """Text for a code cell of a Markdown table (shown as written: nothing can be escaped there)."""
+    assert "|" not in text and "`" not in text, f"a reference cell cannot show {text!r} as code"
+    return text.replace("\n", " ")
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text for a Markdown table cell: `|` would end the cell, `<run>` read as an HTML tag and a
+    trailing `{...}` as attributes."""
+    for char in "|{}*":
+        text = text.replace(char, "\\" + char)
+    return text.replace("<", "&lt;").replace("\n", " ")
 
 
 def reference_markdown() -> str:
@@ -122,7 +143,7 @@ def reference_markdown() -> str:
     top = [KeyDoc(k.key, k.type, k.default, k.doc) for k in config_keys() if "." not in k.key]
     if top:
         lines += ["## Top level", "", "| key | type | default | what it does |", "|---|---|---|---|"]
-        lines += [f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.doc)} |" for k in top]
+        lines += [f"| `{k.key}` | `{_code(k.type)}` | `{_code(k.default)}` | {_cell(k.doc)} |" for k in top]
         lines.append("")
     for f in dataclasses.fields(RFTConfig):
         section = _section_type(hints[f.name])
@@ -134,7 +155,7 @@ def reference_markdown() -> str:
         if intro and not intro.startswith(section.__name__ + "("):  # dataclasses' generated signature
             lines += [" ".join(intro.split()), ""]
         lines += ["| key | type | default | what it does |", "|---|---|---|---|"]
-        lines += [f"| `{k.key}` | `{_cell(k.type)}` | `{_cell(k.default)}` | {_cell(k.doc)} |"
+        lines += [f"| `{k.key}` | `{_code(k.type)}` | `{_code(k.default)}` | {_cell(k.doc)} |"
                   for k in config_keys(section, name + ".")]
         lines.append("")
     return "\n".join(lines)

@@ -21,8 +21,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from rft.data.prompts import format_prompt, reference_response
 from rft.data.taskset import Task
-from rft.explorer.prompts import format_prompt, reference_response
+
 _EXAMPLES = 3  # overlong rows named in the rank's log per taskset
 _CHUNK = 1024  # rows tokenized per call: bounded memory on large tasksets
 
@@ -64,7 +65,7 @@ class ContextFit:
 
     def _fit_conversations(self, tasks: list[Task], path: str, rows: dict[str, dict[str, int]],
                            messages_key: str) -> list[Task]:
-        from rft.explorer.chat_format import chat_format, conversation_ids
+        from rft.data.chat_format import chat_format, conversation_ids
 
         fmt = chat_format(self.tokenizer, self.chat_template)
         kept, skipped, examples = [], 0, []

@@ -73,9 +73,9 @@ def write_tables(out_dir: str, rows: list[dict]) -> tuple[str, str]:
 
 
 def run_bench(cfg: RFTConfig) -> dict:
+    from rft.config import context_length
     from rft.data.context_fit import ContextFit
     from rft.data.stage_tasks import read_stage_tasks
-    from rft.config import context_length
     from rft.explorer.model_client import Sampling
     from rft.explorer.runner import WorkflowRunner
     from rft.explorer.vllm_engine import RolloutEngine

@@ -18,22 +18,19 @@ from __future__ import annotations
 import os
 import shutil
 import time
+
 import torch
 
-from rft.runtime import faults
 from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.experience import Experience, to_table
 from rft.buffer.operators import OperatorContext, OperatorPipeline
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import operator_specs
+from rft.config import RFTConfig, adapter_sync, needs_rollouts, operator_specs, vllm_lora_rank
 from rft.data.context_fit import ContextFit
 from rft.data.judge_difficulty import DifficultyScores, ask_judges, score_tasks, scores_path
 from rft.data.selectors import SELECTORS, build_selector
 from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import Task, row_scalars
-from rft.runtime.checkpoint import Resume
-from rft.runtime.topology import Topology, sync_layout
-from rft.config import RFTConfig, adapter_sync, needs_rollouts, vllm_lora_rank
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.judge import JudgeClient
@@ -42,11 +39,15 @@ from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.runner import Outcome, WorkflowRunner
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
+from rft.runtime import faults
+from rft.runtime.checkpoint import Resume
+from rft.runtime.control import Runtime, Stage, Step
 from rft.runtime.monitor import append_jsonl, drop_from_step, eval_path
 from rft.runtime.preemption import ControlGroup, StopFlag
-from rft.runtime.control import Runtime, Stage, Step
-from rft.runtime.state import Value
 from rft.runtime.schedule import is_eval_step
+from rft.runtime.state import Value
+from rft.runtime.topology import Topology
+from rft.weights.engines import sync_layout
 
 
 def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:

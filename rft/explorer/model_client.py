@@ -8,7 +8,7 @@
     return convo.experience(reward=1.0)
 
 Every call returns the token ids vLLM sampled and their logprobs. A conversation only ever
-appends ids (rft/explorer/chat_format.py), so the trainer scores exactly what vLLM sampled, and
+appends ids (rft/data/chat_format.py), so the trainer scores exactly what vLLM sampled, and
 a conversation stays on one engine (its prefix cache holds the conversation so far).
 """
 
@@ -18,7 +18,7 @@ import copy
 from dataclasses import dataclass, replace
 
 from rft.buffer.experience import Experience
-from rft.explorer.chat_format import ChatFormat, Message
+from rft.data.chat_format import ChatFormat, Message
 from rft.explorer.vllm_engine import Completion, RolloutEngine
 
 

@@ -25,9 +25,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from rft.buffer.experience import Experience
-from rft.data.taskset import Task
 from rft.config import RolloutConfig
-from rft.explorer.chat_format import chat_format
+from rft.data.chat_format import chat_format
+from rft.data.taskset import Task
 from rft.explorer.dealer import Deal, local_deal
 from rft.explorer.model_client import ModelClient, Sampling
 from rft.explorer.rewards import RewardScorer

@@ -18,8 +18,8 @@ from rft.runtime.run_dir import Owner
 def prepare(cfg: RFTConfig) -> None:
     """Create what the config says to generate: the tiny model and synthetic tasksets (of the top
     level, and of every stage that sets its own generator: rft.config.generated_data)."""
-    from rft.data.arithmetic import write_arithmetic_tasksets
     from rft.config import generated_data
+    from rft.data.arithmetic import write_arithmetic_tasksets
     from rft.explorer.envs import write_env_tasksets
 
     os.makedirs(cfg.run.output_dir, exist_ok=True)

@@ -103,8 +103,8 @@ def root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: 
     supervisor cleaned up and told the job's store (seconds, when the store went down with rank
     0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
     until a rank that died reports or every rank has ended, reported or gone silent; a death wins."""
-    from rft.runtime.task import pid_path
     from rft.runtime.pulse import silent_s
+    from rft.runtime.task import pid_path
 
     deadline = time.monotonic() + DEATH_REPORT_S
 
@@ -127,8 +127,8 @@ def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive:
     more although its process has not ended, while another rank's pulse goes on: it is stopped
     (SIGSTOP, a debugger) or hung. (rank, seconds silent). Nobody beating means the job is not
     running (queued again after a requeue, or ending): no rank is blamed then."""
-    from rft.runtime.task import pid_path
     from rft.runtime.pulse import silent_s
+    from rft.runtime.task import pid_path
 
     quiet = {rank: silent_s(pid_path(run_dir, rank)) for rank in range(world_size)}
     if not any(q is not None and q < SILENT_S for q in quiet.values()):

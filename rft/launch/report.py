@@ -12,8 +12,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from rft.launch.console import console
 from rft.data.taskset import file_counts
+from rft.launch.console import console
 from rft.launch.failures import EngineLosses, RankFailure, find_failures, root_cause, silent_rank, stopped_responding
 from rft.launch.job_state import local_rank_alive
 from rft.runtime.monitor import eval_path, progress_path, rank_summary_path, read_jsonl

@@ -79,11 +79,11 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     """Watch a submitted job to its end (progress bar, first failed rank), print its summary."""
     from rich.markup import escape
 
-    from rft.runtime.monitor import write_json_atomic
-    from rft.runtime.pulse import SILENT_S
     from rft.launch.console import console
     from rft.launch.job_state import job_watch, local_rank_processes, stop_local_ranks, wait_until_gone
     from rft.launch.report import build_summary, print_summary, watch
+    from rft.runtime.monitor import write_json_atomic
+    from rft.runtime.pulse import SILENT_S
 
     world, topology = world_size(cfg), Topology.of(cfg)
     on_slurm = cfg.cluster.kind == "slurm"

@@ -26,13 +26,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
-from rft.runtime.topology import Topology
 from rft.config import RFTConfig, stage_configs
+from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
 from rft.runtime.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag, requeue_or_stop
-from rft.runtime.state import Progress, RankState
 from rft.runtime.schedule import paired_trainer_steps, publishes_after
+from rft.runtime.state import Progress, RankState
+from rft.runtime.topology import Topology
 
 
 @dataclass

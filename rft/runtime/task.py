@@ -67,8 +67,8 @@ def _mark_lost(config: dict, master_port: int, err: BaseException) -> None:
             return
         import datetime
 
-        from rft.runtime.preemption import control_store
         from rft.runtime.membership import mark_lost
+        from rft.runtime.preemption import control_store
 
         how = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         mark_lost(control_store(topology, datetime.timedelta(seconds=3)), topology.rank, how)

@@ -9,8 +9,9 @@ the leader, runs it and the others only hold their GPUs). Two groups exist:
   1. the trainer group: torch.distributed's default group over trainer ranks only (Megatron's
      parallel state lives on it); rollout ranks never join it, because vLLM owns the default
      group inside its own worker processes;
-  2. the weight groups (rft/weights/engines.py): one per pipeline stage, joining that stage's
-     sender with every rollout worker; their store listens on the port after the trainer group's.
+  2. the weight groups (rft/weights/engines.py, `sync_layout`): one per pipeline stage, joining
+     that stage's sender with every rollout worker; their store listens on the port after the
+     trainer group's.
 The control store (votes, meetings) listens on the port after that.
 
 The task entry (rft/runtime/task.py) builds the Topology from the config and the task's
@@ -22,12 +23,8 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-from rft.config import ClusterConfig, RFTConfig, context_length, judge_span, sync_engine
-
-if TYPE_CHECKING:
-    from rft.weights.engines import SyncLayout
+from rft.config import ClusterConfig, RFTConfig, context_length, judge_span
 
 
 @dataclass(frozen=True)
@@ -206,29 +203,3 @@ def engine_devices(cluster: ClusterConfig, span: int) -> str:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(cluster.gpus_per_node)]
     return ",".join(devices[local:local + span])
-
-
-def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[int] | None = None) -> SyncLayout:
-    """Weight-sync membership, identical on every rank. `engines`: the engine leaders that take
-    part (default: all; rollout.on_engine_failure=continue leaves lost ones out, and the groups
-    without them get their own names).
-
-    Megatron orders ranks tp fastest, then dp, then pp, so stage s's first rank (TP rank 0 of
-    DP replica 0) is s x trainer_ranks / pp; it sends that stage. Each rollout rank contributes
-    one receiver per vLLM TP worker.
-    """
-    from rft.weights.engines import SyncLayout
-
-    per_stage = topology.trainer_ranks // cfg.trainer.pipeline_parallel_size
-    workers = cfg.rollout.tensor_parallel_size
-    leaders = topology.engine_leaders
-    engines = leaders if engines is None else engines
-    receivers = [f"engine {e} (rollout rank {leader}) worker {w}"
-                 for e, leader in enumerate(leaders) if leader in engines for w in range(workers)]
-    lost = [str(leader) for leader in leaders if leader not in engines]
-    return SyncLayout(
-        engine=sync_engine(cfg.sync, on_gpu), host=topology.master_addr, port=topology.weight_port,
-        sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
-        receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
-        checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
-        groups=f"stage-without-{'-'.join(lost)}-" if lost else "stage")

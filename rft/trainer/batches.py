@@ -14,10 +14,10 @@ from rft.buffer.experience import from_table
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
+from rft.data.chat_format import chat_format, conversation_ids
+from rft.data.prompts import format_prompt, reference_response
 from rft.data.taskset import Task, TaskCursor
 from rft.runtime.topology import Topology
-from rft.explorer.chat_format import chat_format, conversation_ids
-from rft.explorer.prompts import format_prompt, reference_response
 from rft.trainer.train_step import StepBatch
 
 

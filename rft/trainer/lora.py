@@ -48,7 +48,7 @@ class LoRA(torch.nn.Module):
     def __init__(self, model, geo, rank: int, alpha: float, dropout: float, targets: list[str], seed: int):
         from megatron.core import parallel_state as ps
 
-        from rft.weights.convert import global_names
+        from rft.trainer.hf_weights import global_names
 
         super().__init__()
         unknown = sorted(set(targets) - set(TARGETS))
@@ -97,8 +97,10 @@ class LoRA(torch.nn.Module):
     def delta(self, adapter: Adapter, x: torch.Tensor) -> torch.Tensor:
         """(alpha / rank) B A x for the layer's input `x` ([s, b, in] or this rank's columns of it)."""
         from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel.mappings import (copy_to_tensor_model_parallel_region,
-                                                            reduce_from_tensor_model_parallel_region)
+        from megatron.core.tensor_parallel.mappings import (
+            copy_to_tensor_model_parallel_region,
+            reduce_from_tensor_model_parallel_region,
+        )
 
         x = x.float()
         if self.dropout and self.model.training and torch.is_grad_enabled():  # not in scoring passes
@@ -124,7 +126,7 @@ class LoRA(torch.nn.Module):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
 
-        from rft.weights.convert import global_names
+        from rft.trainer.hf_weights import global_names
         from rft.weights.hf_megatron import megatron_full_to_hf
 
         tp = ps.get_tensor_model_parallel_world_size()

@@ -1,6 +1,6 @@
 """Build a megatron-core GPTModel (this rank's TP x PP shard) shaped like an HF directory.
 
-Weights move in and out through `rft/weights/convert.py`.
+Weights move in and out through `rft/trainer/hf_weights.py`.
 
 The trainer's model is Megatron's own `GPTModel`, with the local layer spec, which runs on CPU
 (gloo, see cpu_compat.py) and on GPUs, or Transformer Engine's on GPUs (layer_spec.py). With
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
+
 import torch
 import torch.nn.functional as F
 

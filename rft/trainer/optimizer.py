@@ -25,8 +25,7 @@ from typing import Any
 import torch
 
 from rft.config import LR_DECAYS
-from rft.trainer.optimizer_contract import (FP16_INITIAL_SCALE, LossScale, StepResult,  # noqa: F401  (re-exported)
-                                           TrainerOptimizer)
+from rft.trainer.optimizer_contract import FP16_INITIAL_SCALE, LossScale, StepResult, TrainerOptimizer  # noqa: F401  (re-exported)
 
 
 def build_optimizer(model, lr: float, weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.99),

@@ -8,11 +8,11 @@ from typing import Any
 
 import torch
 
-from rft.runtime import faults
-from rft.runtime.topology import Topology, sync_layout
 from rft.config import RFTConfig, wire_dtype
-from rft.weights.convert import export_hf_weights, hf_table
-from rft.weights.engines import CheckpointSender, make_sender
+from rft.runtime import faults
+from rft.runtime.topology import Topology
+from rft.trainer.hf_weights import export_hf_weights, hf_table
+from rft.weights.engines import CheckpointSender, make_sender, sync_layout
 
 
 class WeightPublisher:

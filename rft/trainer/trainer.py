@@ -19,30 +19,29 @@ import torch
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import operator_specs
+from rft.config import RFTConfig, adapter_sync, needs_critic, needs_rollouts, operator_specs, stage_configs, trains_lora
 from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
 from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import row_scalars
 from rft.runtime import faults
 from rft.runtime.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
-from rft.runtime.topology import Topology
-from rft.config import RFTConfig, adapter_sync, needs_critic, needs_rollouts, stage_configs, trains_lora
-from rft.runtime.monitor import progress_path, write_json_atomic
-from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.control import Runtime, Stage
 from rft.runtime.membership import lost_ranks
+from rft.runtime.monitor import progress_path, write_json_atomic
+from rft.runtime.preemption import ControlGroup, StopFlag
+from rft.runtime.topology import Topology
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
 from rft.trainer.critic import Critic
 from rft.trainer.dpo_step import dpo_step
 from rft.trainer.flops import peak_tflops
+from rft.trainer.hf_weights import load_hf_weights
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.train_step import train_step
-from rft.weights.convert import load_hf_weights
 
 STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)

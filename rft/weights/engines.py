@@ -31,7 +31,9 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
+from rft.config import RFTConfig, sync_engine
 from rft.runtime.monitor import write_json_atomic
+from rft.runtime.topology import Topology
 from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
 from rft.weights.transfer import (
     LoadFn,
@@ -69,6 +71,30 @@ class SyncLayout:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[int] | None = None) -> SyncLayout:
+    """Weight-sync membership, identical on every rank. `engines`: the engine leaders that take
+    part (default: all; rollout.on_engine_failure=continue leaves lost ones out, and the groups
+    without them get their own names).
+
+    Megatron orders ranks tp fastest, then dp, then pp, so stage s's first rank (TP rank 0 of
+    DP replica 0) is s x trainer_ranks / pp; it sends that stage. Each rollout rank contributes
+    one receiver per vLLM TP worker.
+    """
+    per_stage = topology.trainer_ranks // cfg.trainer.pipeline_parallel_size
+    workers = cfg.rollout.tensor_parallel_size
+    leaders = topology.engine_leaders
+    engines = leaders if engines is None else engines
+    receivers = [f"engine {e} (rollout rank {leader}) worker {w}"
+                 for e, leader in enumerate(leaders) if leader in engines for w in range(workers)]
+    lost = [str(leader) for leader in leaders if leader not in engines]
+    return SyncLayout(
+        engine=sync_engine(cfg.sync, on_gpu), host=topology.master_addr, port=topology.weight_port,
+        sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
+        receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
+        checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
+        groups=f"stage-without-{'-'.join(lost)}-" if lost else "stage")
 
 
 class BroadcastSender:

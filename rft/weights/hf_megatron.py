@@ -11,7 +11,7 @@ Layouts that differ:
     `linear_qkv.layer_norm_weight` / `linear_fc1.layer_norm_weight`, mapped as the local spec's
     `input_layernorm` / `pre_mlp_layernorm` (`local_spec_name`).
   - Under pipeline parallelism a stage numbers its layers from 0; names here use global layer
-    numbers, and `rft/weights/convert.py` translates.
+    numbers, and `rft/trainer/hf_weights.py` translates.
 Megatron-Bridge does this mapping too, but it does not install on Python 3.11 with
 megatron-core 0.16 (it needs a newer core), so the few rules live here and are tested against
 `transformers` logits.

@@ -8,7 +8,7 @@ Per sync and per weight group (one group per pipeline stage), group rank 0 broad
 Both sides are double-buffered: the sender packs bucket k+1 (which includes the TP all-gathers)
 while bucket k is on the wire; a receiver posts the receive of bucket k+1 before it hands bucket
 k to `load_fn` (vLLM's `model.load_weights`). No rank holds more than two buckets beyond its
-model, and the table is built from shapes alone (`rft/weights/convert.py`), never from a copy.
+model, and the table is built from shapes alone (`rft/trainer/hf_weights.py`), never from a copy.
 """
 
 from __future__ import annotations

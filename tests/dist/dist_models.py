@@ -86,8 +86,8 @@ class LiveActivations:
 def hf_grads(model, geo) -> dict[str, torch.Tensor]:
     """This stage's gradients after the optimizer's sums (over TP for norms, a tied embedding's two
     copies), HF-named and TP-gathered through the weights' exporter."""
+    from rft.trainer.hf_weights import export_hf_weights
     from rft.trainer.master_weights import sync_grads
-    from rft.weights.convert import export_hf_weights
 
     grads = {n: p.grad for n, p in model.named_parameters()}
     sync_grads(model, grads)

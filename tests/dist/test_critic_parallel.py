@@ -26,10 +26,10 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.config import AlgorithmConfig
     from rft.trainer.critic import Critic
     from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, tp, pp, vpp)
     policy, geo = build_gpt_model(model_dir)

@@ -22,7 +22,7 @@ def _exported(model, geo) -> dict[str, torch.Tensor] | None:
     """HF tensors of this stage (on its TP rank 0), gathered by every TP rank."""
     from megatron.core import parallel_state as ps
 
-    from rft.weights.convert import export_hf_weights
+    from rft.trainer.hf_weights import export_hf_weights
 
     tensors = {n: t.clone() for n, t in export_hf_weights(model, geo)}
     return tensors if ps.get_tensor_model_parallel_rank() == 0 else None
@@ -34,18 +34,18 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import logprobs_from_logits, model_forward, pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
+    from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
-    from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, tp, pp)
     model, geo = build_gpt_model(model_dir)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, torch.device("cpu"))
     result: dict = {"stage": ps.get_pipeline_model_parallel_rank()}
-    # rft.runtime.topology.sync_layout picks stage s's sender as rank s x world / pp: Megatron's order agrees
+    # rft.weights.engines.sync_layout picks stage s's sender as rank s x world / pp: Megatron's order agrees
     is_first_of_stage = ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0
     assert is_first_of_stage == (rank % (world // pp) == 0) and rank // (world // pp) == result["stage"]
     with torch.no_grad():
@@ -76,7 +76,7 @@ def export_hf_weights_all(model, geo):
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from rft.weights.convert import export_hf_weights
+    from rft.trainer.hf_weights import export_hf_weights
 
     mine = {n: t.clone() for n, t in export_hf_weights(model, geo)}
     parts = [None] * ps.get_pipeline_model_parallel_world_size()

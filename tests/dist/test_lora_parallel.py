@@ -23,11 +23,11 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from megatron.core import parallel_state as ps
 
     from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import export_hf_weights, load_hf_weights
     from rft.trainer.lora import LoRA
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import export_hf_weights, load_hf_weights
 
     init_gloo(rank, world, port, tp, pp, vpp)
     model, geo = build_gpt_model(model_dir)

@@ -22,13 +22,13 @@ def _trainer(rank: int, world: int, cfg, port: int, out: str) -> None:
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.lora import LoRA
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path)
@@ -58,9 +58,9 @@ def _trainer(rank: int, world: int, cfg, port: int, out: str) -> None:
 
 @pytest.mark.slow
 def test_merged_and_adapter_syncs_serve_the_same_policy(tmp_path):
-    from rft.runtime.topology import sync_layout
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
+    from rft.weights.engines import sync_layout
 
     model_dir = create_family_model("qwen2", str(tmp_path / "model"))
     cfg = _config(model_dir, str(tmp_path / "run"), tp=2, pp=1, rollout_tp=1, engine="gloo")

@@ -23,10 +23,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str, distributed: bool) -
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.megatron_optimizer import MegatronOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     # the resume check compares bits: CUDA's deterministic kernels where torch has them
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -28,11 +28,11 @@ def _worker(rank: int, world: int, tp: int, pp: int, vpp: int, port: int, model_
     from megatron.core import parallel_state as ps
 
     from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import export_hf_weights, load_hf_weights
     from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.megatron_optimizer import MegatronOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import export_hf_weights, load_hf_weights
 
     init_gloo(rank, world, port, tp, pp, vpp)
     model, geo = build_gpt_model(model_dir)

@@ -14,8 +14,8 @@ def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str)
     import torch.distributed as dist
 
     from rft.trainer.forward import vocab_parallel_logprobs
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, tp, pp=1)
     from megatron.core import parallel_state

@@ -15,10 +15,10 @@ TURNS = 3
 def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: str, port: int) -> None:
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import forward_logprobs, pack_microbatch
-    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.master_weights import MasterWeightsOptimizer
+    from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, tp=1, pp=1)
     model, geo = build_gpt_model(model_dir)
@@ -44,8 +44,8 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
 
 
 def test_trainer_scores_vllm_sampled_turns_and_observations_get_no_gradient(tmp_path):
-    from rft.data.taskset import Task
     from rft.config import ModelConfig, RolloutConfig, TinyModelConfig
+    from rft.data.taskset import Task
     from rft.explorer.model_client import Sampling
     from rft.explorer.runner import WorkflowRunner
     from rft.explorer.vllm_engine import RolloutEngine

@@ -39,9 +39,9 @@ def _worker(rank: int, world: int, pp: int, vpp: int, port: int, model_dir: str,
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, 1, pp, vpp)
     model, geo = build_gpt_model(model_dir)

@@ -47,9 +47,9 @@ def _worker(rank: int, world: int, tp: int, pp: int, sp: bool, port: int, model_
 
     from rft.trainer.critic import build_critic_model, values_of
     from rft.trainer.forward import sequence_multiple
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_backward, forward_pipelined
-    from rft.weights.convert import load_hf_weights
 
     init_gloo(rank, world, port, tp, pp)
     model, geo = build_gpt_model(model_dir, sequence_parallel=sp)

@@ -9,8 +9,9 @@ import pytest
 import torch
 from dist_models import create_family_model, free_port, init_gloo, spawn
 
-from rft.runtime.topology import Topology, sync_layout
 from rft.config import RFTConfig
+from rft.runtime.topology import Topology
+from rft.weights.engines import sync_layout
 
 SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2], [12, 13, 14, 20, 21, 17, 30, 31]]
 # vLLM caches its environment at the first engine start; tests start several engines in one
@@ -38,12 +39,12 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
-    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     if cfg.sync.engine == "nccl":  # NCCL needs its ranks on distinct GPUs; vLLM has GPU 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(1 + rank)

@@ -10,8 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.runtime.checkpoint import newest_complete
 from rft.launch.job_state import process_running as alive
+from rft.runtime.checkpoint import newest_complete
 from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
 SFT, GRPO = 300, 8

@@ -22,8 +22,15 @@ import pytest
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.equivalence import EXPLORER_STATE, TRAINER_STATE
-from tests.e2e.helpers import (REPO, assert_same_run, kill_like_a_node_failure, launch, launch_until_step,
-                               tensorboard_scalars, wait_for_step)
+from tests.e2e.helpers import (
+    REPO,
+    assert_same_run,
+    kill_like_a_node_failure,
+    launch,
+    launch_until_step,
+    tensorboard_scalars,
+    wait_for_step,
+)
 
 SFT_STEPS, GRPO_STEPS, SAVE_EVERY = 30, 20, 5
 CHECKPOINT = SFT_STEPS + 10  # the kill comes after this checkpoint, before the next

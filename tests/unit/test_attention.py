@@ -83,8 +83,8 @@ def _model_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.trainer.forward import forward_logprobs, pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.weights.convert import load_hf_weights
     from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES
 
     init_one_rank(port)

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from rft.explorer.chat_format import PlainFormat, TemplateFormat, conversation_ids
+from rft.data.chat_format import PlainFormat, TemplateFormat, conversation_ids
 from rft.models.tiny import build_char_tokenizer
 
 SMOLLM2 = os.path.expanduser("~/.cache/rft/models/smollm2-135m-instruct")

@@ -7,8 +7,14 @@ import pytest
 import torch
 
 from rft.buffer.shards import ExperienceBuffer
-from rft.runtime.checkpoint import (CorruptCheckpointError, newest_complete, prune, record_requeue, requeue_count,
-                            save_rank_state)
+from rft.runtime.checkpoint import (
+    CorruptCheckpointError,
+    newest_complete,
+    prune,
+    record_requeue,
+    requeue_count,
+    save_rank_state,
+)
 
 
 def test_newest_complete_skips_a_checkpoint_a_rank_did_not_finish(tmp_path):

@@ -154,7 +154,8 @@ def test_transformer_impl_choices_that_cannot_run_are_refused(tmp_path, override
 
 
 def test_sync_layout_names_one_sender_per_stage_and_every_rollout_worker(tmp_path):
-    from rft.runtime.topology import Topology, sync_layout
+    from rft.runtime.topology import Topology
+    from rft.weights.engines import sync_layout
 
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.trainer_ranks=8",
                       "trainer.tensor_parallel_size=2", "trainer.pipeline_parallel_size=2",

@@ -7,8 +7,8 @@ import os
 import pytest
 
 from rft.data.context_fit import ContextFit
+from rft.data.prompts import format_prompt, reference_response
 from rft.data.taskset import Task, row_scalars
-from rft.explorer.prompts import format_prompt, reference_response
 from rft.models.tiny import build_char_tokenizer
 
 SMOLLM2 = os.environ.get("RFT_SMOLLM2_DIR", os.path.expanduser("~/.cache/rft/models/smollm2-135m-instruct"))

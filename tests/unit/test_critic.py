@@ -33,11 +33,11 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     from rft.trainer.critic import Critic
     from rft.trainer.forward import model_forward, pack_microbatch
-    from rft.trainer.optimizer import build_optimizer
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+    from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.train_step import _response_part, _response_tensors, train_step
-    from rft.weights.convert import load_hf_weights
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rft.runtime.topology import free_port
 from rft.explorer.dealer import Dealer
 from rft.runtime.membership import MemberLostError, mark_lost
+from rft.runtime.topology import free_port
 
 
 def _stores(n: int, timeout_s: float = 10.0) -> list[dist.Store]:

@@ -1,6 +1,6 @@
 """The house rules of rft's imports, counted with every import (top level or inside a function):
-no import circles, and the layers that say where code runs hold: `rft.launch` (the login node) is
-imported by nothing below it, `rft.config`'s schema and `rft.registry` import nothing above them.
+no import circles, and the layers hold (LAYERS below, the order docs/reference/architecture.md
+describes): a module imports only its own layer and the layers below it.
 
 A small AST walk rather than a dependency: an import is an edge to the module it names (or to
 the package, for a name that is not a submodule); a package's `__init__` counts only when code
@@ -128,19 +128,46 @@ def test_a_new_circle_is_found(tmp_path):
     assert circles(import_graph(pkg)) == [["pkg.a", "pkg.b"], ["pkg.d", "pkg.sub", "pkg.sub.c"]]
 
 
+# Bottom to top; a module imports only its own layer and those below it. The roles (trainer,
+# explorer) share a layer but never import each other: what both need lives below them.
+LAYERS = (
+    ("rft.registry", "rft.config"),  # the typed config (its schema) and the registry contract
+    ("rft.runtime",),  # the plumbing inside every rank: storage, checkpoints, monitor, topology, ...
+    ("rft.models", "rft.algorithms"),
+    ("rft.data", "rft.buffer", "rft.review", "rft.weights"),  # what the roles use
+    ("rft.trainer", "rft.explorer"),  # the roles
+    ("rft.runtime.task",),  # a rank's entry: picks its role
+    ("rft.config.checks", "rft.config.plugin_checks"),  # run by the launcher: they read every registry
+    ("rft.launch",),  # the login node
+)
+
+
+def layer_of(module: str) -> tuple[int, str]:
+    """(layer index, the LAYERS prefix that placed it): the longest prefix wins."""
+    matches = [(len(prefix), index, prefix) for index, prefixes in enumerate(LAYERS) for prefix in prefixes
+               if module == prefix or module.startswith(prefix + ".")]
+    assert matches or module == "rft", f"{module} is in no layer of LAYERS: add it where it belongs"
+    _, index, prefix = max(matches) if matches else (0, 0, "rft")
+    return index, prefix
+
+
 def test_the_layers_hold(graph):
-    """launch is the top (the login node), config's schema and the registry the bottom."""
-    checks = {"rft.config.checks", "rft.config.plugin_checks"}  # run by the launcher: they read the registries
     wrong = []
     for module, targets in sorted(graph.items()):
+        (layer, prefix) = layer_of(module)
         for target in sorted(targets):
-            if target.startswith("rft.launch") and not module.startswith("rft.launch"):
-                wrong.append(f"{module} imports {target}: only the launcher runs on the login node")
-            below = module == "rft.registry" or (module.startswith("rft.config") and module not in checks)
-            if below and not (target == "rft.registry" or target.startswith("rft.config")) or (
-                    below and target in checks):
-                wrong.append(f"{module} imports {target}: config's schema and the registry sit below every layer")
+            target_layer, target_prefix = layer_of(target)
+            if target_layer > layer:
+                wrong.append(f"{module} imports {target}, a layer above it")
+            elif target_layer == layer == 4 and target_prefix != prefix:
+                wrong.append(f"{module} imports {target}: the roles share nothing but the layers below them")
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_test_sees_an_import_upwards():
+    assert layer_of("rft.weights.engines") < layer_of("rft.trainer.model")
+    assert layer_of("rft.runtime.task")[0] > layer_of("rft.trainer.trainer")[0] > layer_of("rft.runtime.control")[0]
+    assert layer_of("rft.config.checks")[0] > layer_of("rft.config.model")[0]
 
 
 def test_few_modules_are_loose_at_the_top():

@@ -10,10 +10,10 @@ import time
 
 import pytest
 
-from rft.runtime.topology import Topology
 from rft.config import JudgeConfig, world_size
 from rft.config.checks import validate
 from rft.explorer.judge import JudgeClient, JudgeEndpoint, JudgeError, JudgeTimeout, _JudgeHandle
+from rft.runtime.topology import Topology
 from tests.unit.test_config import compose_cfg
 
 
@@ -133,10 +133,10 @@ def test_a_reward_model_judge_scores_as_transformers_does(tmp_path):
     import torch
     from transformers import AutoTokenizer, Qwen2ForSequenceClassification
 
-    from rft.runtime.topology import free_port
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.openai_endpoint import OpenAIEndpoint
     from rft.explorer.vllm_engine import RolloutEngine
+    from rft.runtime.topology import free_port
 
     path = _tiny_reward_model(tmp_path)
     engine = RolloutEngine(ModelConfig(name="rm", path=path), RolloutConfig(kv_cache_gb=0.1), seed=0, max_model_len=64,

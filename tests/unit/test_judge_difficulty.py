@@ -10,9 +10,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rft.config import JudgeConfig
+from rft.config import JudgeConfig, JudgeDifficultyConfig, SelectorConfig
 from rft.config.checks import validate
-from rft.config import JudgeDifficultyConfig, SelectorConfig
 from rft.data.judge_difficulty import ask_judges, score_tasks, scores_path
 from rft.data.selectors import build_selector
 from rft.data.taskset import Task

@@ -66,8 +66,8 @@ def _as_transformer_engine_names(model) -> None:
 def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
+    from rft.trainer.hf_weights import export_hf_weights, hf_table, load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.weights.convert import export_hf_weights, hf_table, load_hf_weights
 
     init_one_rank(port)
     hf = load_hf_state(model_dir)

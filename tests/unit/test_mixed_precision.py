@@ -54,10 +54,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_one_rank(port)
     hf = load_hf_state(model_dir)

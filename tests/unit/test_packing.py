@@ -48,10 +48,10 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
 
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import forward_logprobs, logprobs_from_logits, model_forward, pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import LogprobsHead
     from rft.trainer.train_step import StepBatch, train_step
-    from rft.weights.convert import load_hf_weights
 
     init_one_rank(port)
     model, geo = build_gpt_model(model_dir)
@@ -90,9 +90,9 @@ def _dpo_steps(model, model_dir: str, geo, res: dict) -> None:
     from rft.config import AlgorithmConfig
     from rft.trainer.dpo_step import dpo_step
     from rft.trainer.forward import forward_logprobs, pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.train_step import StepBatch
-    from rft.weights.convert import load_hf_weights
 
     ref, _ = build_gpt_model(model_dir)
     load_hf_weights(ref, load_hf_state(model_dir), geo)

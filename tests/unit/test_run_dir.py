@@ -12,8 +12,17 @@ import time
 
 import pytest
 
-from rft.runtime.run_dir import (ATTEMPT_FILES, OWNER_FILE, Owner, RunDirBusy, claim, has_earlier_attempt, release,
-                                 set_aside_attempt, this_launch)
+from rft.runtime.run_dir import (
+    ATTEMPT_FILES,
+    OWNER_FILE,
+    Owner,
+    RunDirBusy,
+    claim,
+    has_earlier_attempt,
+    release,
+    set_aside_attempt,
+    this_launch,
+)
 
 
 def _owner_of(process: subprocess.Popen, host: str | None = None) -> Owner:

@@ -7,7 +7,8 @@ import pytest
 
 from rft.config import ClusterConfig, RFTConfig
 from rft.launch.slurm import check_request, make_executor, tasks_per_node
-from rft.runtime.topology import Topology, engine_devices, port_for_job, sync_layout
+from rft.runtime.topology import Topology, engine_devices, port_for_job
+from rft.weights.engines import sync_layout
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "sbatch_4x8_gpu.sh")
 GOLDEN_TWO_ENGINES = os.path.join(os.path.dirname(__file__), "golden", "sbatch_2x8_gpu_2_engines.sh")

@@ -23,8 +23,8 @@ supervised warm-up that teaches the format (a move per turn) and some of the ski
 
 from __future__ import annotations
 
-import numpy as np
 import gymnasium as gym
+import numpy as np
 from gymnasium import spaces
 
 from rft.explorer.envs.registry import ENVIRONMENTS

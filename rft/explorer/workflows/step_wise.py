@@ -14,8 +14,8 @@ from __future__ import annotations
 from rft.buffer.experience import Experience
 from rft.data.taskset import Task
 from rft.explorer.model_client import ModelClient
-from rft.explorer.workflows.registry import WORKFLOWS, WorkflowContext
 from rft.explorer.workflows.episode import play
+from rft.explorer.workflows.registry import WORKFLOWS, WorkflowContext
 
 
 @WORKFLOWS.register("step_wise", needs_env=True)

@@ -14,7 +14,7 @@ they are, and only the new messages are tokenized:
     PlainFormat      no template (the tiny model): message contents are concatenated as they are
 
 `prompt_ids` renders the first messages; single-turn prompts come out exactly as
-`rft.explorer.prompts.format_prompt` + vLLM's tokenization made them before workflows existed.
+`rft.data.prompts.format_prompt` + vLLM's tokenization made them before workflows existed.
 """
 
 from __future__ import annotations

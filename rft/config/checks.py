@@ -60,6 +60,21 @@ def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
     return heads, hf.get("num_key_value_heads") or heads, hf.get("num_hidden_layers", 1)
 
 
+def _check_model_family(cfg: RFTConfig) -> None:
+    """The trainer knows the model's architecture and RoPE variant (rft/models/families.py); a
+    model the run only samples from (mode=explore|serve|bench) needs neither."""
+    from rft.models.families import check_rope, family
+
+    hf = hf_config_json(cfg.model)
+    if hf is None or cfg.model.tiny is not None or cfg.mode not in ("both", "train"):
+        return
+    try:
+        family(hf)
+        check_rope(hf)
+    except ValueError as err:
+        config_error("model.path", cfg.model.path, f"its config.json: {err}")
+
+
 def _check_parallel_layout(cfg: RFTConfig) -> None:
     """TP must split whole heads and key/value groups, PP whole layers (trainer and vLLM alike)."""
     shape = _model_shape(cfg)
@@ -320,6 +335,7 @@ def validate(cfg: RFTConfig) -> None:
         config_error("buffer.max_staleness", cfg.buffer.max_staleness, "use 0 or more trainer steps, or null")
     if cfg.buffer.stale not in ("drop", "reweight"):
         config_error("buffer.stale", cfg.buffer.stale, "use drop or reweight")
+    _check_model_family(cfg)
     _check_parallel_layout(cfg)
     _check_transformer_engine(cfg)
     _check_judge(cfg)

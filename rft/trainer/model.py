@@ -10,11 +10,13 @@ trainer.sequence_parallel the norms and residuals between TP matmuls hold [s/TP,
 from __future__ import annotations
 
 import glob
+import math
 import os
 
 import torch
 import torch.nn.functional as F
 
+from rft.models.families import rope_frequencies
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
 from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
 
@@ -125,12 +127,11 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     from transformers import AutoConfig
 
     hf = AutoConfig.from_pretrained(hf_path)
-    if hf.model_type not in ("llama", "qwen2", "qwen3"):
-        raise ValueError(f"model.path={hf_path!r}: model_type {hf.model_type!r} is not supported yet; "
-                         "use a Llama, Qwen2 or Qwen3 architecture")
-    if getattr(hf, "mlp_bias", False):
-        raise ValueError(f"model.path={hf_path!r}: MLP biases are not supported")
-    geo = Geometry.from_hf(hf)
+    try:
+        geo = Geometry.from_hf(hf)
+    except ValueError as err:
+        raise ValueError(f"model.path={hf_path!r}: {err}") from None
+    inv_freq, attention_scaling = rope_frequencies(hf)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
@@ -174,6 +175,8 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         fp16=params_dtype == torch.float16,
         use_cpu_initialization=not on_gpu,
         perform_initialization=False,  # HF weights are loaded right after
+        # YaRN scales RoPE's cos and sin, so q and k, by `attention_scaling`: the scores by its square
+        softmax_scale=attention_scaling ** 2 / math.sqrt(geo.head_dim) if attention_scaling != 1.0 else None,
         transformer_impl=transformer_impl,
         **fused_kernel_flags(transformer_impl),
         # losses are normalised by the whole batch's token count (train_step.py): Megatron's DDP
@@ -202,6 +205,9 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
             vp_stage=vp_stage,
         )
         chunk.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
+        if geo.rope_type != "default":  # scaled RoPE: transformers' frequencies, not megatron-core's
+            # variants of them (its llama3 scaling fixes the original context at 8192, for one)
+            chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)
         _mark_tensor_parallel_shards(chunk)
         chunks.append(chunk.cuda() if on_gpu else chunk)
     return (chunks[0] if vpp == 1 else VirtualStages(chunks)), geo

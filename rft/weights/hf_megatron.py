@@ -1,4 +1,5 @@
-"""HF <-> Megatron-core names and layouts for dense Llama / Qwen2 / Qwen3 models.
+"""HF <-> Megatron-core names and layouts for the dense families of rft/models/families.py (Llama, Qwen2,
+Qwen3).
 
 Layouts that differ:
   - QKV is one fused `linear_qkv` in Megatron, ordered per query group: for each KV head g,
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rft.models.families import check_rope, family, has_qkv_bias, rope_parameters
+
 
 @dataclass(frozen=True)
 class Geometry:
@@ -40,18 +43,14 @@ class Geometry:
     qk_norm: bool = False  # Qwen3
     rope_theta: float = 10000.0
 
+    rope_type: str = "default"  # rft.models.families.ROPE_TYPES
+
     @staticmethod
     def from_hf(hf_config) -> "Geometry":
+        """The shapes of an HF config (transformers' object); ValueError for an architecture or a
+        RoPE variant rft does not support (rft/models/families.py)."""
+        fam = family(hf_config)
         heads = hf_config.num_attention_heads
-        # transformers 5 keeps rope_theta in `rope_parameters`; older releases as an attribute
-        rope = getattr(hf_config, "rope_parameters", None) or {}
-        rope_theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", None))
-        if rope_theta is None:
-            raise ValueError("HF config names no rope_theta (in rope_parameters or as an attribute)")
-        scaling = getattr(hf_config, "rope_scaling", None) or {}  # transformers 5: rope_parameters again
-        if rope.get("rope_type", "default") != "default" or scaling.get("rope_type", "default") != "default":
-            raise ValueError(f"rope scaling {rope.get('rope_type')!r} is not supported yet; "
-                             "use a model with plain RoPE")
         return Geometry(
             num_layers=hf_config.num_hidden_layers,
             num_heads=heads,
@@ -60,9 +59,10 @@ class Geometry:
             hidden_size=hf_config.hidden_size,
             vocab_size=hf_config.vocab_size,
             tied_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
-            qkv_bias=hf_config.model_type == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
-            qk_norm=hf_config.model_type == "qwen3",
-            rope_theta=float(rope_theta),
+            qkv_bias=has_qkv_bias(hf_config),
+            qk_norm=fam.qk_norm,
+            rope_theta=rope_parameters(hf_config)["rope_theta"],
+            rope_type=check_rope(hf_config),
         )
 
 

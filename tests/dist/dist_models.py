@@ -12,7 +12,8 @@ VOCAB = 97
 
 def family_config(family: str):
     """One config per mapping rule set: Qwen2 (qkv bias, untied), Llama (tied, rope_theta 1e5
-    like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied)."""
+    like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied), and the scaled RoPEs
+    (llama3, qwen2_yarn)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
@@ -24,6 +25,15 @@ def family_config(family: str):
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0)
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
+    # scaled RoPE, with an original context shorter than the test's sequences' wavelengths, so the
+    # scaling changes most frequencies: Llama 3.1's, and Qwen2.5's YaRN (its attention factor too)
+    if family == "llama3":
+        return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8})
+    if family == "qwen2_yarn":
+        return Qwen2Config(**common, tie_word_embeddings=False, rope_scaling={
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
     raise ValueError(family)
 
 

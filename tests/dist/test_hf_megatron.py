@@ -1,4 +1,5 @@
-"""HF <-> Megatron at TP x PP for Qwen2, Llama (tied) and Qwen3 (q/k norms), on gloo ranks.
+"""HF <-> Megatron at TP x PP for Qwen2, Llama (tied), Qwen3 (q/k norms) and scaled RoPE (Llama 3.1's
+llama3, Qwen2.5's YaRN), on gloo ranks.
 
 Each layout (TP1, TP2, PP2, TP2 x PP2) imports the HF checkpoint, then checks:
   - logits (TP1/TP2) and next-token logprobs (all layouts) equal `transformers`' (<= 1e-4);
@@ -114,14 +115,16 @@ def _hf_logprobs(model_dir: str, state: dict | None = None) -> tuple[torch.Tenso
     return logits, logp
 
 
-@pytest.mark.parametrize("family", ["qwen2", "llama", "qwen3"])
-def test_hf_megatron_mapping_at_every_layout(family, tmp_path):
+# the scaled RoPEs change no weight mapping: one layout with TP and PP besides the reference
+@pytest.mark.parametrize("family, layouts", [("qwen2", LAYOUTS), ("llama", LAYOUTS), ("qwen3", LAYOUTS),
+                                             ("llama3", [(1, 1), (2, 2)]), ("qwen2_yarn", [(1, 1), (2, 2)])])
+def test_hf_megatron_mapping_at_every_layout(family, layouts, tmp_path):
     from safetensors.torch import load_file
 
     model_dir = create_family_model(family, str(tmp_path / "hf"))
     hf_state = load_file(os.path.join(model_dir, "model.safetensors"))
     hf_logits, hf_logp = _hf_logprobs(model_dir)
-    runs = {layout: _run(*layout, model_dir, str(tmp_path / f"tp{layout[0]}pp{layout[1]}")) for layout in LAYOUTS}
+    runs = {layout: _run(*layout, model_dir, str(tmp_path / f"tp{layout[0]}pp{layout[1]}")) for layout in layouts}
     reference = runs[(1, 1)]
     for (tp, pp), run in runs.items():
         where = f"{family} TP{tp} PP{pp}"

@@ -107,13 +107,15 @@ def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, 
 
 @pytest.mark.slow
 def test_tp2_trainer_to_vllm_over_gloo(tmp_path):
-    _sync_and_compare(tmp_path, "qwen2", tp=2, pp=1, rollout_tp=1, engine_name="gloo")
+    """Qwen2 with Qwen2.5's YaRN RoPE: vLLM's YaRN and the trainer's agree."""
+    _sync_and_compare(tmp_path, "qwen2_yarn", tp=2, pp=1, rollout_tp=1, engine_name="gloo")
 
 
 @pytest.mark.slow
 def test_pp2_trainer_to_vllm_tp2_over_gloo(tmp_path):
-    """Two senders (one per stage) into two vLLM TP workers; tied embeddings cross stages."""
-    _sync_and_compare(tmp_path, "llama", tp=1, pp=2, rollout_tp=2, engine_name="gloo")
+    """Two senders (one per stage) into two vLLM TP workers; tied embeddings cross stages; Llama
+    3.1's scaled RoPE on both sides."""
+    _sync_and_compare(tmp_path, "llama3", tp=1, pp=2, rollout_tp=2, engine_name="gloo")
 
 
 @pytest.mark.slow

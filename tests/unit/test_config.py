@@ -200,3 +200,34 @@ def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, wh
     cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}",
                       "rollout.on_engine_failure=continue", "cluster.rollout_ranks=2")
     validate(cfg)  # two engines training: accepted
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3"),
+    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported; supported: "
+                                                                  "default, linear, llama3, yarn"),
+    ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),
+    ({"mlp_bias": True}, "MLP biases"),
+])
+def test_a_model_the_trainer_cannot_build_is_refused_at_launch(tmp_path, change, says):
+    """Before anything starts, naming model.path, what in its config.json, and what is supported;
+    the same model with llama3 or YaRN RoPE is accepted."""
+    import json
+
+    llama = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+             "hidden_size": 128, "max_position_embeddings": 128, "rope_theta": 500000.0,
+             "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                              "original_max_position_embeddings": 64}}
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}")
+    cfg.model.tiny, cfg.model.path = None, str(tmp_path / "model")
+    os.makedirs(cfg.model.path)
+    for config, ok in ((llama, True), ({**llama, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                        "original_max_position_embeddings": 64}}, True), ({**llama, **change}, False)):
+        with open(os.path.join(cfg.model.path, "config.json"), "w") as f:
+            json.dump(config, f)
+        if ok:
+            validate(cfg)
+            continue
+        with pytest.raises(ValueError, match="model.path=") as err:
+            validate(cfg)
+        assert says in str(err.value)

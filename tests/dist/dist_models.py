@@ -13,7 +13,7 @@ VOCAB = 97
 def family_config(family: str):
     """One config per mapping rule set: Qwen2 (qkv bias, untied), Llama (tied, rope_theta 1e5
     like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied), and the scaled RoPEs
-    (llama3, qwen2_yarn)."""
+    (llama3, llama_linear, qwen2_yarn)."""
     from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
@@ -31,6 +31,8 @@ def family_config(family: str):
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=500000.0, rope_scaling={
             "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
             "original_max_position_embeddings": 8})
+    if family == "llama_linear":
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_scaling={"rope_type": "linear", "factor": 4.0})
     if family == "qwen2_yarn":
         return Qwen2Config(**common, tie_word_embeddings=False, rope_scaling={
             "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})

@@ -117,7 +117,8 @@ def _hf_logprobs(model_dir: str, state: dict | None = None) -> tuple[torch.Tenso
 
 # the scaled RoPEs change no weight mapping: one layout with TP and PP besides the reference
 @pytest.mark.parametrize("family, layouts", [("qwen2", LAYOUTS), ("llama", LAYOUTS), ("qwen3", LAYOUTS),
-                                             ("llama3", [(1, 1), (2, 2)]), ("qwen2_yarn", [(1, 1), (2, 2)])])
+                                             ("llama3", [(1, 1), (2, 2)]), ("qwen2_yarn", [(1, 1), (2, 2)]),
+                                             ("llama_linear", [(1, 1)])])
 def test_hf_megatron_mapping_at_every_layout(family, layouts, tmp_path):
     from safetensors.torch import load_file
 

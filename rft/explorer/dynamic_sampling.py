@@ -10,7 +10,6 @@ import torch
 from rft.algorithms.advantages import group_index
 from rft.buffer.experience import Experience
 
-
 Rows = list[Experience]
 
 

@@ -33,6 +33,7 @@ FAMILIES: dict[str, Family] = {
 # left out on purpose: transformers rescales its frequencies only past the original context
 # while vLLM scales them for every position, so trainer and sampler would score different models.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DEFAULT_ROPE_THETA = 10000.0  # what transformers' Llama and Qwen configs take when config.json names none
 
 
 def _get(config: Any, key: str, default: Any = None) -> Any:
@@ -66,9 +67,7 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     merged = {**scaling, **{k: v for k, v in found.items() if v is not None}}
     merged.setdefault("rope_type", scaling.get("rope_type", "default"))
     theta = merged.get("rope_theta", _get(config, "rope_theta"))
-    if theta is None:
-        raise ValueError("the config names no rope_theta (in rope_parameters or as an attribute)")
-    merged["rope_theta"] = float(theta)
+    merged["rope_theta"] = float(DEFAULT_ROPE_THETA if theta is None else theta)
     return merged
 
 

@@ -11,9 +11,16 @@ the newest complete one; a file whose bytes then fail their sha256 sets its chec
 save after agreeing at a step's control point, before that step's sync (rft/runtime/preemption.py), so a
 resumed job starts with that sync. Trainer files hold the Megatron shard, optimizer, scheduler,
 RNG, taskset cursor and the step's pending log line; rollout files hold the step, the rollout
-taskset cursor and its weights version. Why per-rank torch.save rather than Megatron's
-dist_checkpointing: a resume always uses the same TP x PP layout (a requeue re-runs the same job),
-and this needs no extra dependency on CPU; resharding checkpoints would want dist_checkpointing.
+taskset cursor and its weights version.
+
+The trainer's tensors (model, reference, optimizer: components with `checkpoint_shards`) are not
+in the rank files: the trainer ranks save them together with megatron-core's dist_checkpointing,
+each tensor keyed by its place in the whole model, so a checkpoint loads into another TP x PP x DP
+layout (rft/trainer/sharded_state.py). Each trainer rank's file records the size and sha256 of the
+files it wrote there, so completeness and torn files are told as for rank files:
+
+    <run>/checkpoints/step00000123/sharded/...                 (dist_checkpointing's files)
+    <run>/checkpoints/step00000123/layout.json                 (who saved: which rank file is whose)
 """
 
 from __future__ import annotations
@@ -140,9 +147,102 @@ def record_stand_ins(run_dir: str, done: int, stand_ins: dict[int, int]) -> None
     write_json_atomic(os.path.join(checkpoint_root(run_dir), f"step{done:08d}", "stand_ins.json"), stand_ins)
 
 
+def record_layout(run_dir: str, done: int, layout: dict[str, Any]) -> None:
+    """Rank 0, before its own file: which ranks save checkpoint `done` and in which roles
+    (`trainer_ranks`, `voting_ranks`), so a job of another layout finds each rank's file."""
+    from rft.runtime.monitor import write_json_atomic
+
+    write_json_atomic(os.path.join(checkpoint_root(run_dir), f"step{done:08d}", "layout.json"), layout)
+
+
+def saved_layout(step_dir: str) -> dict[str, Any] | None:
+    """What record_layout wrote (None: a checkpoint from before layouts were recorded)."""
+    try:
+        with open(os.path.join(step_dir, "layout.json")) as f:
+            return json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def sharded_dir(step_dir: str) -> str:
+    return os.path.join(step_dir, "sharded")
+
+
+def save_shards(run_dir: str, done: int, shards: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Every trainer rank at once (a collective over the trainer group): the trainer's sharded
+    components of checkpoint `done` through megatron.core.dist_checkpointing. Returns the size and
+    sha256 of each file this rank wrote (trainer rank 0 also writes the shared metadata)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    path = sharded_dir(os.path.join(checkpoint_root(run_dir), f"step{done:08d}"))
+    rank = dist.get_rank()
+    if faults.armed("file_size_limit", done):
+        faults.limit_file_size()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)  # what an attempt that died saving left
+        os.makedirs(path)
+    dist.barrier()
+    try:
+        dist_checkpointing.save(shards, path)
+    except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        shutil.rmtree(path, ignore_errors=True)  # nothing half-written stays (the rank files are not written)
+        _raise_if_no_room(path, _local_bytes(shards), f"the checkpoint of rank {rank} at step {done}")
+        raise err
+    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")))
+    return {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
+            for f in mine}
+
+
+def whole_shards(step_dir: str) -> dict[str, dict[str, Any]]:
+    """A checkpoint's sharded components as whole tensors, read in one process (no process group),
+    for comparing two runs: {component: its tensors by key (each the whole model's), and the
+    values trainer rank 0 saved once}."""
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = sharded_dir(step_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        dcp_to_torch_save(path, os.path.join(scratch, "whole.pt"))
+        tensors = torch.load(os.path.join(scratch, "whole.pt"), weights_only=False)
+    common = torch.load(os.path.join(path, "common.pt"), weights_only=False)
+    found: dict[str, dict[str, Any]] = {}
+    for key, tensor in tensors.items():
+        name, _, rest = key.partition(".")
+        found.setdefault(name, {"tensors": {}, "common": common.get(name)})["tensors"][rest] = tensor
+    return found
+
+
+def _local_bytes(shards: dict[str, Any]) -> int:
+    """What this rank writes for `shards`: its part of every sharded tensor."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    return sum(value.data.numel() * value.data.element_size() for value in nested_values(shards)
+               if isinstance(getattr(value, "data", None), torch.Tensor))
+
+
+def _raise_if_no_room(directory: str, nbytes: int, what: str) -> None:
+    """After dist_checkpointing failed to write (its writer reports a full disk as a bare position
+    mismatch): StorageFullError, as for a rank file, if `nbytes` do not fit in `directory` (a full
+    filesystem, a quota, `ulimit -f`); else return and let the caller raise the original error."""
+    os.makedirs(directory, exist_ok=True)
+    probe = os.path.join(directory, f"room-probe.{os.getpid()}")
+    try:
+        with written_whole_or_not_at_all(probe, what):
+            with open(probe, "wb") as f:
+                os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
 def _complete(step_dir: str, ranks: Sequence[int]) -> bool:
+    """Every rank that saved this checkpoint wrote its file whole: the voting ranks its
+    layout.json names (a checkpoint from before layouts were recorded: `ranks`)."""
     stand_ins = _stand_ins(step_dir)
-    return all(_intact_size(_rank_file(step_dir, stand_ins.get(r, r))) for r in ranks)
+    saved = (saved_layout(step_dir) or {}).get("voting_ranks", ranks)
+    return all(_intact_size(_rank_file(step_dir, stand_ins.get(r, r))) for r in saved)
 
 
 @dataclass(frozen=True)
@@ -151,6 +251,46 @@ class Resume:
 
     done: int
     step_dir: str
+
+    def source_rank(self, rank: int, role: str, role_rank: int, trainer_ranks: int) -> int:
+        """Whose file a rank of this job loads. In the layout that saved the checkpoint, its own;
+        with another number of trainer ranks (mode=train resharded: no rollout ranks), a trainer
+        rank loads the file of its trainer rank there, or rank 0's (the files the trainer ranks
+        keep besides their shards are alike); a rollout rank keeps its place among the rollout ranks."""
+        layout = saved_layout(self.step_dir)
+        if layout is None:
+            return rank
+        before = layout["trainer_ranks"]
+        if role == "trainer":
+            return role_rank if role_rank < before else 0
+        return before + role_rank
+
+    def load_shards(self, template: dict[str, Any], files_of: Sequence[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+        """Load sharded components into this rank's layout (`template`: their checkpoint_shards),
+        after checking the files whose records `files_of` holds against their sha256; collective
+        over the trainer group."""
+        from megatron.core import dist_checkpointing
+
+        path = sharded_dir(self.step_dir)
+        for records in files_of:
+            for name, record in records.items():
+                file = os.path.join(path, name)
+                if not os.path.exists(file) or os.path.getsize(file) != record["bytes"] or _sha256(file) != record["sha256"]:
+                    self._set_aside(file)
+        return dist_checkpointing.load(template, path)
+
+    def _set_aside(self, file: str) -> None:
+        """Set the checkpoint aside (the rename is atomic, and a name newest_complete skips), so
+        that launching again resumes from the one before; every rank of this job fails."""
+        aside = f"{self.step_dir}.corrupt"
+        try:
+            os.replace(self.step_dir, aside)
+        except OSError:
+            pass  # another rank set it aside first
+        raise CorruptCheckpointError(
+            f"checkpoint file {file} does not match the sha256 recorded when it was written (a disk or "
+            f"filesystem error); the checkpoint is set aside as {aside}: launch again with the same "
+            "run.output_dir to resume from the checkpoint before it")
 
     def load(self, rank: int) -> dict[str, Any]:
         own = _rank_file(self.step_dir, rank)
@@ -162,23 +302,13 @@ class Resume:
         except FileNotFoundError:
             recorded = None  # written before checksums were kept
         if recorded is not None and _sha256(own) != recorded:
-            # Set the checkpoint aside (the rename is atomic, and a name newest_complete skips), so
-            # that launching again resumes from the one before; every rank of this job fails.
-            aside = f"{self.step_dir}.corrupt"
-            try:
-                os.replace(self.step_dir, aside)
-            except OSError:
-                pass  # another rank set it aside first
-            raise CorruptCheckpointError(
-                f"checkpoint file {own} does not match the sha256 recorded when it was written (a disk or "
-                f"filesystem error); the checkpoint is set aside as {aside}: launch again with the same "
-                "run.output_dir to resume from the checkpoint before it")
+            self._set_aside(own)
         return torch.load(own, weights_only=False)  # a second read, from the page cache: no 2x memory
 
 
 def newest_complete(run_dir: str, ranks: Sequence[int]) -> Resume | None:
-    """The newest checkpoint every saving rank (Topology.voting_ranks, rft/runtime/topology.py) finished writing (a
-    crash mid-save leaves an incomplete one, which is skipped)."""
+    """The newest checkpoint every rank that saved it finished writing (a crash mid-save leaves
+    an incomplete one, which is skipped); `ranks`: this job's voting ranks (Topology.voting_ranks)."""
     for done, step_dir in reversed(_step_dirs(run_dir)):
         if _complete(step_dir, ranks):
             return Resume(done, step_dir)

@@ -49,7 +49,7 @@ class Runtime:
     def __init__(self, cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None,
                  rank_name: str, monitor: bool = True):
         self.cfg, self.topology, self.group, self.stop = cfg, topology, group, stop
-        self.state = RankState(cfg.run.output_dir, topology.rank, resume)
+        self.state = RankState(cfg.run.output_dir, topology, resume)
         self.progress = self.state.track("progress", Progress())
         self.resumed_at = self.progress.global_step if self.state.resuming else None
         self.monitor = Monitor(cfg.run.output_dir, rank_name, self.resumed_at) if monitor else None

@@ -10,6 +10,9 @@ import json
 import os
 from typing import Any
 
+from rft.runtime.checkpoint import whole_shards
+from rft.runtime.state import SHARDED
+
 CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag")
 # the final checkpoint's state that must match: a trainer's and an explorer's (rft/runtime/state.py)
 TRAINER_STATE = ("model", "optimizer", "scheduler", "rng", "publisher")
@@ -60,8 +63,14 @@ def run_differences(reference: str, other: str, done: int, states: dict[int, tup
             found.append(f"{name}: steps {sorted(set(got) ^ set(want))} logged by one run only")
         found += [f"{name} step {s} {k}: {v} != {got[s].get(k)}" for s in want if s in got
                   for k, v in want[s].items() if got[s].get(k) != v]
+    step_dirs = [os.path.join(run, "checkpoints", f"step{done:08d}") for run in (reference, other)]
     for rank, keys in states.items():
-        files = [os.path.join(run, "checkpoints", f"step{done:08d}", f"rank{rank}.pt") for run in (reference, other)]
-        want, got = (torch.load(f, weights_only=False) for f in files)
-        found += [f"rank {rank}'s final {d}" for key in keys for d in differences(want[key], got[key], key)]
+        want, got = (torch.load(os.path.join(d, f"rank{rank}.pt"), weights_only=False) for d in step_dirs)
+        found += [f"rank {rank}'s final {d}" for key in keys if key in want for d in differences(want[key], got[key], key)]
+        sharded = [key for key in keys if key in want.get(SHARDED, {}).get("components", ())]
+        missing = [key for key in keys if key not in want and key not in sharded]
+        found += [f"rank {rank}'s final {key} (not in its checkpoint)" for key in missing]
+        if sharded:  # the trainer ranks' tensors, compared whole (the same for every trainer rank)
+            want_shards, got_shards = (whole_shards(d) for d in step_dirs)
+            found += [f"final {d}" for key in sharded for d in differences(want_shards.get(key), got_shards.get(key), key)]
     return found

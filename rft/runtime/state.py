@@ -14,7 +14,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol, TypeVar
 
-from rft.runtime.checkpoint import Resume, save_rank_state
+from rft.runtime.checkpoint import Resume, record_layout, save_rank_state, save_shards, saved_layout
+from rft.runtime.topology import Topology
+
+SHARDED = "__sharded__"  # a rank file's record of its sharded components and the files it wrote for them
 
 
 class Stateful(Protocol):
@@ -68,11 +71,19 @@ class Progress:
 
 
 class RankState:
-    """The tracked components of one rank; `save` writes them all, a resumed run restores them."""
+    """The tracked components of one rank; `save` writes them all, a resumed run restores them.
 
-    def __init__(self, run_dir: str, rank: int, resume: Resume | None):
-        self.run_dir, self.rank = run_dir, rank
-        self.saved: dict[str, Any] | None = resume.load(rank) if resume else None
+    A component with `checkpoint_shards(prefix)` (the trainer's model, reference and optimizer:
+    rft/trainer/sharded_state.py) is saved by every trainer rank together, layout-free, instead of
+    into the rank's file, and loads into whatever layout this run has (a collective: the trainer
+    ranks track their components in the same order)."""
+
+    def __init__(self, run_dir: str, topology: Topology, resume: Resume | None):
+        self.run_dir, self.topology, self.resume = run_dir, topology, resume
+        self.rank = topology.rank
+        source = resume.source_rank(topology.rank, topology.role, topology.role_rank, topology.trainer_ranks) \
+            if resume else None
+        self.saved: dict[str, Any] | None = resume.load(source) if resume else None
         self.resume_done = resume.done if resume else None
         self.components: dict[str, Stateful] = {}
 
@@ -85,9 +96,26 @@ class RankState:
         load its saved state now if this run resumes and `restore` (stage components: only in
         the stage the checkpoint was taken in)."""
         self.components[name] = component
-        if restore and self.saved is not None and self.saved.get(name) is not None:
+        if not restore or self.saved is None:
+            return component
+        if name in self.saved.get(SHARDED, {}).get("components", ()):
+            component.load_state_dict(self._load_shards(name, component))
+        elif self.saved.get(name) is not None:
             component.load_state_dict(self.saved[name])
         return component
+
+    def _load_shards(self, name: str, component: Stateful) -> dict[str, Any]:
+        """A sharded component's state in this rank's layout. Trainer rank i checks the files of
+        the saving trainer ranks i, i + T, i + 2T, ... (T: this run's trainer ranks), so that
+        together they check every file, whatever the two layouts."""
+        template = component.checkpoint_shards(f"{name}.")
+        if template is None:
+            raise ValueError(f"the checkpoint holds {name} sharded, and this run cannot load it so")
+        layout = saved_layout(self.resume.step_dir) or {"trainer_ranks": self.topology.trainer_ranks}
+        owners = range(self.topology.role_rank, layout["trainer_ranks"], self.topology.trainer_ranks)
+        files = [self.resume.load(owner)[SHARDED]["files"] for owner in owners if owner != self.rank] + \
+            ([self.saved[SHARDED]["files"]] if self.topology.role_rank < layout["trainer_ranks"] else [])
+        return self.resume.load_shards({name: template}, files)[name]
 
     def untrack(self, *names: str) -> None:
         """Stop saving these components (a stage's, when it ends)."""
@@ -99,8 +127,18 @@ class RankState:
         self.saved = None
 
     def save(self, done: int) -> str:
-        """Write every tracked component for checkpoint `step<done>` (this rank's file)."""
-        return save_rank_state(self.run_dir, done, self.rank, {name: c.state_dict() for name, c in self.components.items()})
+        """Write every tracked component for checkpoint `step<done>`: this rank's file, and the
+        sharded ones with the other trainer ranks'."""
+        shards = {name: c.checkpoint_shards(f"{name}.") for name, c in self.components.items()
+                  if hasattr(c, "checkpoint_shards")}
+        shards = {name: s for name, s in shards.items() if s is not None}
+        state = {name: c.state_dict() for name, c in self.components.items() if name not in shards}
+        if shards:
+            state[SHARDED] = {"components": sorted(shards), "files": save_shards(self.run_dir, done, shards)}
+        if self.rank == 0:
+            t = self.topology
+            record_layout(self.run_dir, done, {"trainer_ranks": t.trainer_ranks, "voting_ranks": t.voting_ranks})
+        return save_rank_state(self.run_dir, done, self.rank, state)
 
 
 class Value:

@@ -113,11 +113,50 @@ class MasterWeightsOptimizer:
                 "masters": {name: self.masters[name].detach().clone() for name in sorted(self.copies)},
                 "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
 
+    def checkpoint_shards(self, prefix: str) -> dict[str, Any] | None:
+        """`state_dict()` with the masters and AdamW's moments in their parameters' places in the
+        whole model (rft/trainer/sharded_state.py), so it loads into another TP x PP layout; AdamW's
+        step, the same for every parameter, once. None for LoRA adapters and other optimizers."""
+        from rft.trainer.sharded_state import in_place_of, local_only, sharded_parameters
+
+        if not isinstance(self.torch_optimizer, torch.optim.AdamW) or not hasattr(self.model, "config"):
+            return None
+        self._init_adam_state()
+        place = sharded_parameters(self.model)
+        order = [name for name in self.masters if name not in self.undecayed] + \
+                [name for name in self.masters if name in self.undecayed]  # the optimizer's parameter ids
+        state = self.state_dict()
+        optimizer = state["optimizer"]
+        steps = {float(s["step"]) for s in optimizer["state"].values()}
+        assert len(steps) <= 1, f"AdamW's parameters took different numbers of steps: {sorted(steps)}"
+        optimizer["step"] = steps.pop() if steps else 0.0
+        optimizer["state"] = {i: {kind: in_place_of(place[order[i]], s[kind], f"{prefix}{kind}")
+                                  for kind in ("exp_avg", "exp_avg_sq")} for i, s in optimizer["state"].items()}
+        for group in optimizer["param_groups"]:
+            group["params"] = local_only(group["params"])  # this rank's parameter ids, whatever the layout
+        state["masters"] = {name: in_place_of(place[name], master, f"{prefix}master")
+                            for name, master in state["masters"].items()}
+        return state
+
+    def _init_adam_state(self) -> None:
+        """AdamW's state as its first step creates it (step 0, zero moments), on every master: a
+        checkpoint then holds the same entries before and after the first step. Unchanged maths:
+        AdamW starts from exactly these."""
+        for group in self.torch_optimizer.param_groups:
+            for master in group["params"]:
+                if not self.torch_optimizer.state[master]:
+                    self.torch_optimizer.state[master] = {
+                        "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
+                        "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():
             for name, saved in state["masters"].items():
                 self.masters[name].copy_(saved)  # finer than the parameters the model file holds
         saved = state["optimizer"]
+        if "step" in saved:  # loaded from checkpoint_shards: AdamW's per-parameter step again
+            step = saved.pop("step")
+            saved["state"] = {i: {**s, "step": torch.tensor(step)} for i, s in saved["state"].items()}
         self.torch_optimizer.load_state_dict(saved if len(saved["param_groups"]) == 2 else self._regrouped(saved))
         self.scaler.scale, self.scaler.good_steps = state["loss_scale"], state["good_steps"]
 

@@ -41,6 +41,7 @@ from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
+from rft.trainer.sharded_state import ShardedModel
 from rft.trainer.train_step import train_step
 
 STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
@@ -62,7 +63,7 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
     check_saved_layers((runtime.state.saved or {}).get("model"), layers)
-    runtime.state.track("model", model)
+    runtime.state.track("model", ShardedModel(model))  # saved layout-free: it may resume into another TP x PP
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, topology, geo))
     add_checkpoint_hooks(cfg, topology, runtime, model, publisher)
     learner = Learner(cfg, topology, model, geo, runtime)
@@ -178,7 +179,7 @@ class Learner:
                                                 transformer_impl=self.model.config.transformer_impl)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.eval().requires_grad_(False)
-            track("ref_model", self.ref_model, restore=stage.resumed)
+            track("ref_model", ShardedModel(self.ref_model), restore=stage.resumed)
         lora = stage.cfg.trainer.lora
         self.lora = None
         if lora.rank:  # only the adapters train (rft/trainer/lora.py)

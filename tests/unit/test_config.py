@@ -74,7 +74,7 @@ def _small_tasksets(tmp_path) -> list[str]:
 def test_bad_values_name_the_key(tmp_path, override, key):
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",
                       f"model.path={tmp_path}", *_small_tasksets(tmp_path), override)
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         validate(cfg)
 
@@ -86,7 +86,7 @@ def test_missing_model_path_says_how_to_fix(tmp_path):
 
 
 def test_missing_dataset_file_names_the_key(tmp_path):
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"model.path={tmp_path}",
                       f"data.train_path={tmp_path}/missing.jsonl")
     with pytest.raises(ValueError, match=r"data\.train_path.*no such file"):
@@ -124,7 +124,7 @@ def test_generated_arithmetic_needs_an_eval_path(tmp_path):
 def test_parallel_layout_must_fit_the_model(tmp_path, overrides, key, says):
     """SmolLM2-135M's shape (9 heads, 3 KV heads, 30 layers) read from its config.json."""
     (tmp_path / "config.json").write_text(
-        '{"num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}')
+        '{"model_type": "llama", "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}')
     cfg = compose_cfg("+experiment=gsm8k_grpo", "model=smollm2_135m", f"run.output_dir={tmp_path}",
                       f"model.path={tmp_path}", *_small_tasksets(tmp_path), *overrides)
     with pytest.raises(ValueError, match=key.replace(".", r"\.")) as err:

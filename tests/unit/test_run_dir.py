@@ -123,8 +123,7 @@ def test_an_earlier_attempt_moves_aside_whole(tmp_path):
 
 
 @pytest.mark.parametrize("override, key, saved", [
-    ("trainer.tensor_parallel_size=2", "trainer.tensor_parallel_size", 1),
-    ("cluster.trainer_ranks=2", "cluster.trainer_ranks", 1),
+    ("cluster.trainer_ranks=2", "cluster.trainer_ranks", 1),  # the rollout rank would become rank 2
     ("trainer.transformer_impl=local", "trainer.transformer_impl", "auto"),
     ("+stages.1.trainer.lora.rank=8", "stages[grpo].trainer.lora.rank", 0),
 ])
@@ -149,3 +148,23 @@ def test_a_resume_into_another_layout_is_refused_naming_the_key(tmp_path, overri
     OmegaConf.save(older, tmp_path / "config.yaml")
     refuse_another_layout(compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}",
                                       "trainer.transformer_impl=local"), "attempts/1")
+
+
+def test_a_new_tp_or_pp_is_refused_only_for_a_checkpoint_of_per_rank_tensors(tmp_path):
+    """A checkpoint whose trainer tensors are sharded (layout-free) loads into another TP, PP or
+    virtual stages; one holding the model or optimizer per rank (saved before sharded checkpoints,
+    or Megatron's optimizer on GPUs) is refused, naming the key and the component."""
+    from rft.launch.attempts import refuse_another_layout
+    from rft.launch.submit import _resolved_config
+    from rft.runtime.checkpoint import Resume, save_rank_state
+    from tests.unit.test_config import compose_cfg
+
+    _resolved_config(compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}"))
+    step_dir = str(tmp_path / "checkpoints" / "step00000010")
+    for override in ("trainer.tensor_parallel_size=2", "trainer.pipeline_parallel_size=2"):
+        new = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", override)
+        save_rank_state(str(tmp_path), 10, 0, {"progress": {}, "__sharded__": {"components": ["model", "optimizer"]}})
+        refuse_another_layout(new, "attempts/1", Resume(10, step_dir))  # resharded on load
+        save_rank_state(str(tmp_path), 10, 0, {"progress": {}, "model": {"w": 1}, "optimizer": {"state": {}}})
+        with pytest.raises(ValueError, match=f"{re.escape(override.split('=')[0])}=2.*holds the model .* per rank"):
+            refuse_another_layout(new, "attempts/1", Resume(10, step_dir))

@@ -1,0 +1,68 @@
+"""A run saved at one trainer layout resumes at another: its checkpoint holds the model and the
+optimizer layout-free (megatron-core's dist_checkpointing, rft/trainer/sharded_state.py), so a run
+killed at TP=2 continues at TP=1 on one rank, or at PP=2, and its next steps train as the run
+that never stopped did.
+
+SFT (mode=train) on the quickstart's tiny model and tasks: no rollout ranks, so the number of
+trainer ranks may change too."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+
+from tests.e2e.helpers import launch
+
+STEPS, SAVE_EVERY, KILLED_AT = 6, 3, 5
+SFT = ("+experiment=quickstart", "mode=train", "stages=[]", "algorithm=sft", "algorithm.lr=3e-3",
+       f"trainer.max_steps={STEPS}", "trainer.sft_batch_size=64", f"trainer.save_interval={SAVE_EVERY}",
+       "trainer.save_every_min=0", "data.eval_limit=20")
+TP2 = ("cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2")
+
+
+def losses(run_dir: str) -> dict[int, tuple[float, float]]:
+    """step -> (loss, grad norm) as the trainer logged them (a resumed run's own lines last)."""
+    rows = {}
+    with open(os.path.join(run_dir, "metrics", "trainer0.jsonl")) as f:
+        for line in f:
+            row = json.loads(line)
+            rows[row["step"]] = (row["loss/policy"], row["actor/grad_norm"])
+    return rows
+
+
+@pytest.fixture(scope="module")
+def killed_at_tp2(tmp_path_factory) -> tuple[str, str]:
+    """(a run that never stopped, a run killed in step 5 with its checkpoint of step 3), at TP=2."""
+    root = tmp_path_factory.mktemp("reshard")
+    whole, killed = str(root / "whole"), str(root / "killed")
+    done = launch(*SFT, *TP2, f"run.output_dir={whole}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stopped = launch(*SFT, *TP2, f"run.output_dir={killed}",
+                     env={**os.environ, "RFT_FAULTS": f"kill_train@{KILLED_AT}#0"})
+    assert stopped.returncode != 0, stopped.stdout[-3000:]
+    assert os.path.isdir(os.path.join(killed, "checkpoints", f"step{SAVE_EVERY:08d}", "sharded"))
+    return whole, killed
+
+
+@pytest.mark.parametrize("layout", [("cluster.trainer_ranks=1",),  # TP=1 on one rank
+                                    ("cluster.trainer_ranks=2", "trainer.pipeline_parallel_size=2")],
+                         ids=["tp1", "pp2"])
+def test_a_run_saved_at_tp2_resumes_at_another_layout_and_trains_as_if_never_stopped(killed_at_tp2, layout, tmp_path):
+    whole, killed = killed_at_tp2
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(killed, run_dir)
+    resumed = launch(*SFT, *layout, f"run.output_dir={run_dir}")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    logs = "".join(open(os.path.join(run_dir, "logs", name)).read() for name in os.listdir(os.path.join(run_dir, "logs"))
+                   if name.endswith("_log.out"))
+    assert f"checkpoints/step{SAVE_EVERY:08d} ({SAVE_EVERY} steps done)" in logs
+    want, got = losses(whole), losses(run_dir)
+    for step in range(SAVE_EVERY + 1, STEPS + 1):  # the steps trained after the resume
+        # another layout sums in another order: equal to float32 rounding (measured: the losses
+        # equal to 1e-15, the grad norms to 1e-7)
+        assert got[step][0] == pytest.approx(want[step][0], rel=1e-5), (step, got[step], want[step])
+        assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), (step, got[step], want[step])
+    assert want[STEPS][0] < want[SAVE_EVERY][0] - 0.1  # the steps after the resume learned something

@@ -58,7 +58,7 @@ RESHARDABLE = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer
 CHECKPOINT_LAYOUT = ("trainer.transformer_impl",)
 # checkpoint components holding tensors of one TP x PP shard, when not saved sharded
 PER_RANK_TENSORS = {"model": "the model (a checkpoint from before sharded saves)",
-                    "optimizer": "the optimizer (Megatron's, on GPUs; or a LoRA stage's)",
+                    "optimizer": "a LoRA stage's optimizer",
                     "lora": "LoRA adapters", "critic": "the PPO critic", "ref_model": "the reference model"}
 
 

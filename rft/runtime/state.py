@@ -108,7 +108,7 @@ class RankState:
         """A sharded component's state in this rank's layout. Trainer rank i checks the files of
         the saving trainer ranks i, i + T, i + 2T, ... (T: this run's trainer ranks), so that
         together they check every file, whatever the two layouts."""
-        template = component.checkpoint_shards(f"{name}.")
+        template = component.checkpoint_shards(f"{name}.", loading=True)
         if template is None:
             raise ValueError(f"the checkpoint holds {name} sharded, and this run cannot load it so")
         layout = saved_layout(self.resume.step_dir) or {"trainer_ranks": self.topology.trainer_ranks}

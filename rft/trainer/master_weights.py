@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from rft.trainer.model import collective_device
-from rft.trainer.optimizer_contract import LossScale, StepResult
+from rft.trainer.optimizer_contract import LossScale, StepResult, start_adam_state
 from rft.weights.hf_megatron import tp_split_dim
 
 
@@ -113,7 +113,7 @@ class MasterWeightsOptimizer:
                 "masters": {name: self.masters[name].detach().clone() for name in sorted(self.copies)},
                 "loss_scale": self.scaler.scale, "good_steps": self.scaler.good_steps}
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, Any] | None:
+    def checkpoint_shards(self, prefix: str, loading: bool = False) -> dict[str, Any] | None:
         """`state_dict()` with the masters and AdamW's moments in their parameters' places in the
         whole model (rft/trainer/sharded_state.py), so it loads into another TP x PP layout; AdamW's
         step, the same for every parameter, once. None for LoRA adapters and other optimizers."""
@@ -121,7 +121,7 @@ class MasterWeightsOptimizer:
 
         if not isinstance(self.torch_optimizer, torch.optim.AdamW) or not hasattr(self.model, "config"):
             return None
-        self._init_adam_state()
+        start_adam_state(self.torch_optimizer)
         place = sharded_parameters(self.model)
         order = [name for name in self.masters if name not in self.undecayed] + \
                 [name for name in self.masters if name in self.undecayed]  # the optimizer's parameter ids
@@ -137,17 +137,6 @@ class MasterWeightsOptimizer:
         state["masters"] = {name: in_place_of(place[name], master, f"{prefix}master")
                             for name, master in state["masters"].items()}
         return state
-
-    def _init_adam_state(self) -> None:
-        """AdamW's state as its first step creates it (step 0, zero moments), on every master: a
-        checkpoint then holds the same entries before and after the first step. Unchanged maths:
-        AdamW starts from exactly these."""
-        for group in self.torch_optimizer.param_groups:
-            for master in group["params"]:
-                if not self.torch_optimizer.state[master]:
-                    self.torch_optimizer.state[master] = {
-                        "step": torch.tensor(0.0), "exp_avg": torch.zeros_like(master, memory_format=torch.preserve_format),
-                        "exp_avg_sq": torch.zeros_like(master, memory_format=torch.preserve_format)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with torch.no_grad():

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from rft.trainer.cpu_compat import cuda_tensors_on_cpu
-from rft.trainer.optimizer_contract import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult
+from rft.trainer.optimizer_contract import FP16_GROWTH_INTERVAL, FP16_INITIAL_SCALE, StepResult, start_adam_state
 
 _WRAPPED: "weakref.WeakKeyDictionary[torch.nn.Module, Any]" = weakref.WeakKeyDictionary()
 
@@ -108,15 +108,54 @@ class MegatronOptimizer:
                 state["param_state"] = [opt.get_parameter_state_dp_zero() for opt in self._parts()]
         return state
 
+    def checkpoint_shards(self, prefix: str, loading: bool = False) -> dict[str, Any]:
+        """Megatron's own sharded optimizer state (fp32 masters and Adam's moments in their
+        parameters' places; the distributed optimizer's gathered to canonical tensors), so a checkpoint
+        loads into another TP x PP x DP layout (rft/trainer/sharded_state.py). Megatron names the
+        tensors `optimizer.state.<kind>.<parameter>` itself: `prefix` must be "optimizer."."""
+        assert prefix == "optimizer.", f"Megatron's optimizer keys its tensors optimizer.*, not {prefix}*"
+        model = {str(v): ddp.module.sharded_state_dict() for v, ddp in enumerate(self.ddp)}
+        for part in self._parts():  # Megatron's state_dict needs Adam's step, which torch's Adam
+            start_adam_state(part.optimizer)  # creates at the first step only
+        with cuda_tensors_on_cpu():
+            return {"megatron": self.optimizer.sharded_state_dict(
+                model, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable",
+                                                     "chained_optim_avoid_prefix": True})}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # no_grad: with fp32 parameters the masters are views of them, which Megatron's loader
         # copies into in place (autograd refuses that on a view of a leaf that requires grad)
+        if "megatron" in state:  # loaded through checkpoint_shards
+            with cuda_tensors_on_cpu(), torch.no_grad(), contextlib.ExitStack() as stack:
+                for part in self._parts():
+                    if hasattr(part, "load_parameter_state_from_fully_reshardable"):  # the distributed optimizer
+                        stack.enter_context(_steps_kept_by(part, "load_parameter_state_from_fully_reshardable"))
+                self.optimizer.load_state_dict(state["megatron"])
+            return
         with cuda_tensors_on_cpu(), torch.no_grad():
             self.optimizer.load_state_dict(state["optimizer"])
             if self.distributed:  # each rank passes its file's part; DP rank 0's holds the gathered state
                 for opt, part in zip(self._parts(), state["param_state"]):
                     with _step_set_aside(opt.optimizer):
                         opt.load_parameter_state_from_dp_zero(part)
+
+
+@contextlib.contextmanager
+def _steps_kept_by(part, loader: str) -> Iterator[None]:
+    """While the distributed optimizer `part` loads: its parameter-state `loader` runs with Adam's
+    steps set aside (see _step_set_aside), inside Megatron's own load_state_dict, which has just
+    restored them."""
+    original = getattr(part, loader)
+
+    def kept(*args, **kwargs):
+        with _step_set_aside(part.optimizer):
+            return original(*args, **kwargs)
+
+    setattr(part, loader, kept)
+    try:
+        yield
+    finally:
+        delattr(part, loader)  # the class's method again
 
 
 @contextlib.contextmanager

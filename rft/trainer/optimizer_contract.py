@@ -58,3 +58,16 @@ class LossScale:
         self.good_steps += 1
         if self.good_steps == self.growth_interval:
             self.scale, self.good_steps = self.scale * 2, 0
+
+
+def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
+    """Adam's per-parameter state as its first step creates it (step 0, zero moments), on every
+    parameter that has none yet: a checkpoint then holds the same entries before and after the
+    first step, and a sharded checkpoint has tensors to load into. The maths is unchanged: Adam
+    starts from exactly these."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                optimizer.state[param] = {"step": torch.tensor(0.0),
+                                          "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                                          "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}

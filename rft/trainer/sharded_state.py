@@ -8,9 +8,10 @@ every component with `checkpoint_shards`). An optimizer's per-parameter tensors 
 Adam's moments) take their parameter's place under a prefix of their own, as megatron-core's
 optimizers do.
 
-`checkpoint_shards(prefix)` returns a nested dict shaped like the component's `state_dict()`
-with sharded tensors where the tensors go, or None where the component cannot be resharded (it
-is then saved whole in its rank's file). What dist_checkpointing loads back has that shape with
+`checkpoint_shards(prefix, loading)` returns a nested dict shaped like the component's
+`state_dict()` with sharded tensors where the tensors go (`loading`: as the template to load
+into), or None where the component cannot be resharded (it is then saved whole in its rank's
+file). What dist_checkpointing loads back has that shape with
 plain tensors, so the component's `load_state_dict` takes it. Values that are not tensors (a loss
 scale, a step count) are saved once, from trainer rank 0.
 """
@@ -74,7 +75,7 @@ class ShardedModel:
         else:  # a rank file from before sharded checkpoints
             self.model.load_state_dict(state)
 
-    def checkpoint_shards(self, prefix: str) -> dict[str, Any]:
+    def checkpoint_shards(self, prefix: str, loading: bool = False) -> dict[str, Any]:
         # the tensors' keys carry the prefix (what dist_checkpointing matches); each chunk's dict
         # keeps the chunk's own parameter names (what its load_state_dict takes)
         return {str(v): _unprefixed(chunk.sharded_state_dict(prefix=prefix), prefix)

@@ -2,6 +2,7 @@
 sbatch script for a 4-node x 8-GPU profile (golden file), and request checks that name the key."""
 
 import os
+import sys
 
 import pytest
 
@@ -218,3 +219,39 @@ def test_an_engine_may_not_straddle_two_nodes(tmp_path):
     cfg.cluster.trainer_ranks, cfg.cluster.rollout_ranks = 20, 12  # engine would start at GPU 4 of node 3
     with pytest.raises(ValueError, match=r"rollout\.tensor_parallel_size=8 .*must divide cluster\.gpus_per_node"):
         check_request(cfg)
+
+
+@pytest.mark.parametrize("preset", ["llama3_1_8b_instruct", "qwen2_5_7b_instruct", "qwen3_8b"])
+def test_a_model_preset_lays_its_model_out_on_a_node_of_8_gpus(tmp_path, monkeypatch, preset):
+    """conf/model/<preset>.yaml under the GSM8K recipe on Slurm, with the model's published shape
+    (tests/unit/golden/model_configs/): every check passes (TP splits the heads, RoPE and
+    architecture supported, the ranks fit the node), the ranks are laid out as the preset says,
+    and the sbatch script is the golden one."""
+    import shutil
+
+    from rft.config.checks import validate
+    from tests.unit.test_config import _small_tasksets, compose_cfg
+
+    _srun_on_path(tmp_path, monkeypatch)
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "golden", "model_configs", f"{preset}.json"),
+                model / "config.json")
+    cfg = compose_cfg("+experiment=gsm8k_grpo", f"model={preset}", "cluster=slurm", f"model.path={model}",
+                      f"run.output_dir={tmp_path / 'run'}", *_small_tasksets(tmp_path))
+    validate(cfg)
+    check_request(cfg)
+    topology = Topology.of(cfg)
+    assert (topology.trainer_ranks, topology.engine_count, cfg.trainer.tensor_parallel_size) == (4, 4, 2)
+    assert cfg.model.dtype == "bfloat16" and cfg.trainer.max_tokens_per_microbatch == 8192  # the recipe's still
+    executor = make_executor(cfg, str(tmp_path / "logs"))
+    from rft.launch.slurm import REPO
+
+    script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
+    script = script.replace(str(tmp_path), "RUN").replace(sys.executable, "PYTHON").replace(REPO, "REPO")
+    golden = os.path.join(os.path.dirname(__file__), "golden", "sbatch_1x8_gpu_dense_preset.sh")  # one for all three
+    if os.environ.get("RFT_UPDATE_GOLDEN"):
+        with open(golden, "w") as f:
+            f.write(script)
+    with open(golden) as f:
+        assert script == f.read(), "sbatch script changed; rerun with RFT_UPDATE_GOLDEN=1 if intended"

@@ -86,6 +86,7 @@ class RankState:
         self.saved: dict[str, Any] | None = resume.load(source) if resume else None
         self.resume_done = resume.done if resume else None
         self.components: dict[str, Stateful] = {}
+        self.shards_checked = False  # the sharded files' checksums, checked before the first load
 
     @property
     def resuming(self) -> bool:
@@ -105,16 +106,19 @@ class RankState:
         return component
 
     def _load_shards(self, name: str, component: Stateful) -> dict[str, Any]:
-        """A sharded component's state in this rank's layout. Trainer rank i checks the files of
-        the saving trainer ranks i, i + T, i + 2T, ... (T: this run's trainer ranks), so that
-        together they check every file, whatever the two layouts."""
+        """A sharded component's state in this rank's layout. Before the first, trainer rank i
+        checks the files of the saving trainer ranks i, i + T, i + 2T, ... (T: this run's trainer
+        ranks) against their sha256, so that together they check every file, whatever the two layouts."""
         template = component.checkpoint_shards(f"{name}.", loading=True)
         if template is None:
             raise ValueError(f"the checkpoint holds {name} sharded, and this run cannot load it so")
-        layout = saved_layout(self.resume.step_dir) or {"trainer_ranks": self.topology.trainer_ranks}
-        owners = range(self.topology.role_rank, layout["trainer_ranks"], self.topology.trainer_ranks)
-        files = [self.resume.load(owner)[SHARDED]["files"] for owner in owners if owner != self.rank] + \
-            ([self.saved[SHARDED]["files"]] if self.topology.role_rank < layout["trainer_ranks"] else [])
+        files = []
+        if not self.shards_checked:
+            saved_trainers = (saved_layout(self.resume.step_dir) or {}).get("trainer_ranks", self.topology.trainer_ranks)
+            owners = range(self.topology.role_rank, saved_trainers, self.topology.trainer_ranks)
+            files = [(self.saved if owner == self.rank else self.resume.load(owner))[SHARDED]["files"]
+                     for owner in owners]
+            self.shards_checked = True
         return self.resume.load_shards({name: template}, files)[name]
 
     def untrack(self, *names: str) -> None:

@@ -66,3 +66,23 @@ def test_a_run_saved_at_tp2_resumes_at_another_layout_and_trains_as_if_never_sto
         assert got[step][0] == pytest.approx(want[step][0], rel=1e-5), (step, got[step], want[step])
         assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), (step, got[step], want[step])
     assert want[STEPS][0] < want[SAVE_EVERY][0] - 0.1  # the steps after the resume learned something
+
+
+def test_a_torn_shard_file_is_told_and_its_checkpoint_set_aside(killed_at_tp2, tmp_path):
+    """The sharded files are checked against the sha256 their rank recorded, as rank files are: a
+    flipped byte stops the resume naming the file, and sets the checkpoint aside."""
+    _, killed = killed_at_tp2
+    run_dir = str(tmp_path / "run")
+    shutil.copytree(killed, run_dir)
+    step_dir = os.path.join(run_dir, "checkpoints", f"step{SAVE_EVERY:08d}")
+    torn = os.path.join(step_dir, "sharded", "__1_0.distcp")  # trainer rank 1's: checked by rank 0 at TP=1
+    with open(torn, "r+b") as f:
+        f.seek(os.path.getsize(torn) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    resumed = launch(*SFT, "cluster.trainer_ranks=1", f"run.output_dir={run_dir}")
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode != 0
+    assert "__1_0.distcp does not match the sha256 recorded when it was written" in said, said[-3000:]
+    assert os.path.isdir(step_dir + ".corrupt") and not os.path.exists(step_dir)

@@ -67,14 +67,14 @@ def start_tool():
 
 @pytest.fixture
 def refused_model(tmp_path) -> str:
-    """A small Llama 3 config.json: vLLM serves it, the trainer refuses its RoPE scaling."""
-    path = tmp_path / "llama3.json"
+    """A small Llama config.json with dynamic RoPE scaling: vLLM serves it, the trainer refuses it
+    (transformers and vLLM scale dynamic RoPE differently, so the two would score different models)."""
+    path = tmp_path / "llama_dynamic.json"
     path.write_text(json.dumps({
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 64,
         "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "tie_word_embeddings": False,
-        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                         "original_max_position_embeddings": 128},
+        "rope_scaling": {"rope_type": "dynamic", "factor": 2.0},
         "bos_token_id": 1, "eos_token_id": 2}))
     return str(path)
 
@@ -83,7 +83,7 @@ def test_a_failing_tool_says_why_and_leaves_no_process(start_tool, refused_model
     tool = start_tool(["tools/bench_weight_sync.py", "--model", refused_model, "--repeats", "1", "--timeout-s", "120"])
     out, _ = tool.communicate(timeout=300)  # returns only once nothing holds the pipe
     assert tool.returncode != 0, out[-3000:]
-    assert "rope scaling 'llama3' is not supported" in out
+    assert "rope_type 'dynamic' is not supported" in out
     assert "trainer rank 0 exited with code 1" in out  # at once, not after the weight group's timeout
     assert survivors(tool.pid) == []
 

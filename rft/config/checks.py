@@ -63,7 +63,7 @@ def _model_shape(cfg: RFTConfig) -> Optional[tuple[int, int, int]]:
 def _check_model_family(cfg: RFTConfig) -> None:
     """The trainer knows the model's architecture and RoPE variant (rft/models/families.py); a
     model the run only samples from (mode=explore|serve|bench) needs neither."""
-    from rft.models.families import check_rope, family
+    from rft.models.families import check_rope, family, num_experts
 
     hf = hf_config_json(cfg.model)
     if hf is None or cfg.model.tiny is not None or cfg.mode not in ("both", "train"):
@@ -73,6 +73,33 @@ def _check_model_family(cfg: RFTConfig) -> None:
         check_rope(hf)
     except ValueError as err:
         config_error("model.path", cfg.model.path, f"its config.json: {err}")
+    _check_experts(cfg, num_experts(hf))
+
+
+def _check_experts(cfg: RFTConfig, experts: int) -> None:
+    """Expert parallelism needs experts to split, in equal parts, over ranks of a pipeline stage;
+    LoRA adapters cover dense layers only."""
+    trainer = cfg.trainer
+    ep, tp, pp = trainer.expert_parallel_size, trainer.tensor_parallel_size, trainer.pipeline_parallel_size
+    if ep < 1:
+        config_error("trainer.expert_parallel_size", ep, "use 1 or more")
+    if ep > 1 and not experts:
+        config_error("trainer.expert_parallel_size", ep, f"model.path={cfg.model.path!r} has no experts to split: use 1")
+    if experts and experts % ep:
+        config_error("trainer.expert_parallel_size", ep, f"must divide the model's {experts} experts")
+    stage_ranks = cfg.cluster.trainer_ranks // max(pp, 1)
+    if ep > 1 and stage_ranks % ep:
+        config_error("trainer.expert_parallel_size", ep,
+                     f"must divide the {stage_ranks} trainer ranks of a pipeline stage (cluster.trainer_ranks / "
+                     f"trainer.pipeline_parallel_size = TP {tp} x DP {stage_ranks // max(tp, 1)})")
+    if trainer.moe_aux_loss_coeff is not None and trainer.moe_aux_loss_coeff < 0:
+        config_error("trainer.moe_aux_loss_coeff", trainer.moe_aux_loss_coeff, "use 0 (off) or more, or null")
+    if experts:
+        for name, stage in stage_configs(cfg):
+            prefix = f"stages[{name}]." if cfg.stages else ""
+            if stage.trainer.lora.rank:
+                config_error(f"{prefix}trainer.lora.rank", stage.trainer.lora.rank,
+                             "LoRA adapters are not supported on mixture-of-experts models yet: set it to 0")
 
 
 def _check_parallel_layout(cfg: RFTConfig) -> None:

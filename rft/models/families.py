@@ -21,12 +21,14 @@ class Family:
     name: str  # for messages
     qkv_bias: bool | None  # biases on q, k and v: always (True), never (False), or config.json's attention_bias
     qk_norm: bool  # a per-head RMSNorm on q and k before RoPE (Megatron's q_layernorm / k_layernorm)
+    moe: bool = False  # routed experts in place of the MLP (in the layers `moe_layers` names)
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("Llama", qkv_bias=None, qk_norm=False),
     "qwen2": Family("Qwen2", qkv_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3", qkv_bias=None, qk_norm=True),
+    "qwen3_moe": Family("Qwen3-MoE", qkv_bias=None, qk_norm=True, moe=True),
 }
 
 # RoPE variants as transformers names them (`rope_type`); "default" is plain RoPE. "dynamic" is
@@ -54,6 +56,24 @@ def family(config: Any) -> Family:
 def has_qkv_bias(config: Any) -> bool:
     bias = family(config).qkv_bias
     return bool(_get(config, "attention_bias", False)) if bias is None else bias
+
+
+def num_experts(config: Any) -> int:
+    """Routed experts per MoE layer (0: a dense model). transformers 5 names it num_local_experts
+    in the config.json it writes; checkpoints on the Hub say num_experts."""
+    if not family(config).moe:
+        return 0
+    return int(_get(config, "num_experts", None) or _get(config, "num_local_experts", 0) or 0)
+
+
+def moe_layers(config: Any) -> tuple[int, ...]:
+    """The layers (0-based) whose MLP is routed experts: every `decoder_sparse_step`-th one, less
+    `mlp_only_layers` (Qwen3-MoE's rule; the released models route every layer)."""
+    if not num_experts(config):
+        return ()
+    step = int(_get(config, "decoder_sparse_step", 1) or 1)
+    dense = set(_get(config, "mlp_only_layers", None) or ())
+    return tuple(i for i in range(int(_get(config, "num_hidden_layers"))) if i not in dense and (i + 1) % step == 0)
 
 
 def rope_parameters(config: Any) -> dict[str, Any]:

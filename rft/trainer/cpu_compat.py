@@ -9,6 +9,11 @@ megatron-core 0.16 assumes CUDA in a few places that matter for a plain forward/
   - the pipeline schedules' p2p code calls `torch.cuda.synchronize()` after each exchange (a no-op
     here: there is no device stream to wait for), and the schedules count tokens in a tensor made
     with `device="cuda"` (`cuda_tensors_on_cpu`, around a schedule's call);
+  - the MoE all-to-all token dispatcher copies its token counts to the host on a side CUDA stream
+    (`torch.cuda.Stream`, `current_stream`, `stream`): here they are on the host already and
+    work is ordered, so a stream that orders nothing stands in (`_HostStream`); and it hands
+    all-to-all its split sizes as numpy arrays only when that copy ran (a CUDA tensor): host
+    tensors are converted too (`_host_copy`);
   - Megatron's DDP and distributed optimizer allocate some buffers with `device="cuda"` and accept
     only parameters whose `.type()` names a CUDA tensor (`cuda_tensors_on_cpu` again, around each
     of rft/trainer/megatron_optimizer.py's calls).
@@ -54,8 +59,38 @@ def apply_cpu_redirects() -> bool:
     torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
     mp_random._get_cuda_rng_state = get_rng_state
     mp_random._set_cuda_rng_state = set_rng_state
+    torch.cuda.Stream = _HostStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda *_args, **_kwargs: _HOST_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda *_args, **_kwargs: contextlib.nullcontext()  # type: ignore[assignment]
+    from megatron.core.transformer.moe import token_dispatcher
+
+    token_dispatcher.maybe_move_tensor_to_cpu = _host_copy
     _APPLIED = True
     return True
+
+
+class _HostStream:
+    """A CUDA stream (and its recorded event) where there is no device: host work is in order."""
+
+    def __init__(self, *_args, **_kwargs):
+        pass
+
+    def wait_stream(self, _other) -> None:
+        pass
+
+    def record_event(self, *_args) -> "_HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+
+_HOST_STREAM = _HostStream()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's maybe_move_tensor_to_cpu for tensors already on the host."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):

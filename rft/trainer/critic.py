@@ -28,7 +28,7 @@ from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
 from rft.algorithms.value_loss import clipped_value_loss
 from rft.config import AlgorithmConfig
 from rft.trainer.forward import Microbatch, gather_sequence
-from rft.trainer.model import collective_device
+from rft.trainer.devices import collective_device
 from rft.trainer.optimizer import build_optimizer
 from rft.trainer.pipeline import forward_pipelined
 from rft.trainer.train_step import StepBatch, _dp, _place, _response_part, backward_and_step, step_scalars

@@ -5,8 +5,10 @@
 parameter shapes alone, so a sender can announce a sync before gathering anything; the export
 then yields one HF tensor at a time, all-gathering TP shards as it goes (a collective: every TP
 rank of the stage iterates in lockstep). Nothing holds more than one full parameter at a time.
-Pipeline stages (and virtual stages' chunks) number their layers from 0; the mapping
-(`hf_megatron.py`) uses global numbers.
+Pipeline stages (and virtual stages' chunks) number their layers from 0, and under expert
+parallelism each rank numbers its slice of a layer's experts from 0; the mapping
+(`hf_megatron.py`) uses global numbers. An export gathers every expert: the expert-parallel
+ranks of the exporting DP replica iterate in lockstep too, all-gathering each expert weight.
 """
 
 from __future__ import annotations
@@ -17,7 +19,15 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from rft.weights.hf_megatron import Geometry, hf_to_megatron_full, local_spec_name, megatron_full_to_hf, tp_split_dim
+from rft.weights.hf_megatron import (
+    Geometry,
+    expert_index,
+    hf_to_megatron_full,
+    local_spec_name,
+    megatron_full_to_hf,
+    renumber_expert,
+    tp_split_dim,
+)
 from rft.weights.transfer import TensorTable
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
@@ -31,6 +41,19 @@ def _tp() -> tuple[int, int, object]:
             parallel_state.get_tensor_model_parallel_group())
 
 
+def _ep() -> tuple[int, int, object]:
+    from megatron.core import parallel_state
+
+    return (parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_rank(),
+            parallel_state.get_expert_model_parallel_group())
+
+
+def _global_expert(local: int, geo: Geometry, ep: int, ep_rank: int) -> int:
+    """Expert parallelism gives EP rank r the experts [r E/EP, (r+1) E/EP), named from 0 there."""
+    return ep_rank * (geo.num_experts // ep) + local
+
+
 def _layer_offset(chunk) -> int:
     layers = chunk.decoder.layers
     return layers[0].layer_number - 1 if len(layers) else 0  # layer_number is global and 1-based
@@ -41,10 +64,12 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
 
     A tied output layer on the last stage (PP > 1) is a copy of the first stage's embedding; it
     maps to the embedding's name. Under a virtual pipeline each chunk numbers its layers from 0.
-    Transformer Engine's fused norms get the local layer spec's names.
+    Transformer Engine's fused norms get the local layer spec's names. Experts get their number
+    in the whole layer.
     """
     from rft.trainer.model import named_chunks
 
+    ep, ep_rank, _ = _ep()
     out = {}
     for prefix, chunk in named_chunks(model):
         offset = _layer_offset(chunk)
@@ -52,8 +77,11 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
             if _is_tied_output(name, geo):
                 out[prefix + name] = "embedding.word_embeddings.weight"
                 continue
-            out[prefix + name] = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.",
-                                            local_spec_name(name))
+            gname = _LAYER.sub(lambda m: f"decoder.layers.{int(m.group(1)) + offset}.", local_spec_name(name))
+            expert = expert_index(gname)
+            if expert is not None and ep > 1:
+                gname = renumber_expert(gname, _global_expert(expert, geo, ep, ep_rank))
+            out[prefix + name] = gname
     return out
 
 
@@ -100,8 +128,20 @@ def hf_table(model, geo: Geometry, wire_dtype: torch.dtype) -> TensorTable:
             shape[dim] *= tp
         meta = torch.empty(shape, device="meta")
         table += [(hf_name, tuple(t.shape), str(wire_dtype))
-                  for hf_name, t in megatron_full_to_hf(gname, meta, geo, tp)]
+                  for every_name in _every_expert(gname, geo) for hf_name, t in megatron_full_to_hf(every_name, meta, geo, tp)]
     return table
+
+
+def _every_expert(gname: str, geo: Geometry) -> list[str]:
+    """The global names an export of this rank's parameter `gname` covers: under expert
+    parallelism, an expert's weight and those of the same local expert on every EP rank (the
+    all-gather's order); otherwise `gname` itself."""
+    ep, ep_rank, _ = _ep()
+    expert = expert_index(gname)
+    if expert is None or ep == 1:
+        return [gname]
+    local = expert - _global_expert(0, geo, ep, ep_rank)
+    return [renumber_expert(gname, _global_expert(local, geo, ep, r)) for r in range(ep)]
 
 
 def export_hf_weights(model, geo: Geometry, deltas: dict[str, torch.Tensor] | None = None
@@ -110,6 +150,7 @@ def export_hf_weights(model, geo: Geometry, deltas: dict[str, torch.Tensor] | No
     `deltas` (by local parameter name, shaped like the shard): added first, in fp32 (LoRA's B A:
     a merged sync sends W + B A without touching W)."""
     tp, _, group = _tp()
+    ep, _, ep_group = _ep()
     deltas = deltas or {}
     for name, gname, param in _exported_params(model, geo):
         dim = tp_split_dim(name)
@@ -118,4 +159,11 @@ def export_hf_weights(model, geo: Geometry, deltas: dict[str, torch.Tensor] | No
             shards = [torch.empty_like(full) for _ in range(tp)]
             dist.all_gather(shards, full.contiguous(), group=group)
             full = torch.cat(shards, dim=dim)
-        yield from megatron_full_to_hf(gname, full, geo, tp)
+        names = _every_expert(gname, geo)
+        if len(names) > 1:  # one expert weight per EP rank
+            per_rank = [torch.empty_like(full) for _ in range(ep)]
+            dist.all_gather(per_rank, full.contiguous(), group=ep_group)
+        else:
+            per_rank = [full]
+        for every_name, tensor in zip(names, per_rank):
+            yield from megatron_full_to_hf(every_name, tensor, geo, tp)

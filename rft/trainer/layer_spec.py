@@ -101,24 +101,34 @@ class RMSNorm(torch.nn.RMSNorm):
 
 
 def block_spec(config, qk_norm: bool, vp_stage: int | None = None):
-    """This pipeline stage's layers (of its virtual stage `vp_stage`) in `config.transformer_impl`."""
+    """This pipeline stage's layers (of its virtual stage `vp_stage`) in `config.transformer_impl`:
+    in a mixture-of-experts model (`config.moe_layer_freq`, one 0/1 per layer), routed experts in
+    place of the MLP where the pattern says 1."""
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    layer, final_norm = (_transformer_engine_layer(qk_norm) if config.transformer_impl == "transformer_engine"
-                         else _local_layer(qk_norm))
-    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * layers, layer_norm=final_norm)
+    make = _transformer_engine_layer if config.transformer_impl == "transformer_engine" else _local_layer
+    dense, final_norm = make(qk_norm, None)
+    routed = make(qk_norm, config.num_moe_experts)[0] if config.num_moe_experts else None
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    pattern = config.moe_layer_freq if routed is not None else None
+    layers = [routed if pattern and pattern[offset + i] else dense
+              for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)
 
 
-def _local_layer(qk_norm: bool):
+def _local_layer(qk_norm: bool, num_experts: int | None):
     """Megatron's local layer spec (no Transformer Engine) with its core attention replaced by
     PyTorch's fused kernels (rft/trainer/attention.py): flash attention on GPUs, variable-length
-    for packed microbatches, instead of an fp32 score matrix per head; every norm is `RMSNorm`."""
+    for packed microbatches, instead of an fp32 score matrix per head; every norm is `RMSNorm`.
+    Routed experts (`num_experts`) are Megatron's SequentialMLP: one expert after the other, plain
+    PyTorch (its grouped GEMM needs Transformer Engine)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from rft.trainer.attention import FusedCoreAttention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=qk_norm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm",
+                                    qk_layernorm=qk_norm)
     layer = spec.submodules
     layer.self_attention.submodules.core_attention = FusedCoreAttention
     layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
@@ -127,9 +137,11 @@ def _local_layer(qk_norm: bool):
     return spec, RMSNorm
 
 
-def _transformer_engine_layer(qk_norm: bool):  # GPU path: run by tests/dist/test_transformer_engine.py only
-    """Megatron's own Transformer Engine spec, unchanged, and TE's norm for the final one."""
+def _transformer_engine_layer(qk_norm: bool, num_experts: int | None):  # GPU path: tests/dist/test_transformer_engine.py
+    """Megatron's own Transformer Engine spec, unchanged (routed experts as TE's grouped GEMM), and
+    TE's norm for the final one."""
     from megatron.core.extensions.transformer_engine import TENorm
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-    return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_norm), TENorm
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
+                                                      qk_layernorm=qk_norm), TENorm

@@ -25,9 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rft.trainer.model import collective_device
+from rft.trainer.devices import collective_device
 from rft.trainer.optimizer_contract import LossScale, StepResult, start_adam_state
-from rft.weights.hf_megatron import tp_split_dim
+from rft.weights.hf_megatron import expert_index, tp_split_dim
 
 
 def _accumulate_in_fp32(param: torch.Tensor) -> None:
@@ -162,7 +162,7 @@ class MasterWeightsOptimizer:
 
 
 def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
-    """Sum gradients over DP replicas; over TP for q/k norms (each TP rank saw its own heads) and,
+    """Sum gradients over DP replicas (an expert's: over the ranks holding the same experts); over TP for q/k norms (each TP rank saw its own heads) and,
     under sequence parallelism, for every parameter Megatron marks `sequence_parallel` (norms:
     each TP rank saw its slice of the sequence); and over the two copies of a tied embedding under
     PP (in place)."""
@@ -174,29 +174,37 @@ def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
             if name.endswith(("q_layernorm.weight", "k_layernorm.weight")) or \
                     getattr(params.get(name), "sequence_parallel", False):
                 dist.all_reduce(g, group=ps.get_tensor_model_parallel_group())
-    if ps.get_data_parallel_world_size() > 1:
-        for g in grads.values():
-            dist.all_reduce(g, group=ps.get_data_parallel_group())
+    replicas = {False: ps.get_data_parallel_group(), True: ps.get_expert_data_parallel_group()}
+    for name, g in grads.items():  # an expert's replicas: the ranks outside its EP group (TP ranks too)
+        group = replicas[expert_index(name) is not None]
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(g, group=group)
     if ps.get_pipeline_model_parallel_world_size() > 1 and _tied(model) and ps.is_rank_in_embedding_group():
         (tied,) = [n for n in grads if n.endswith(("embedding.word_embeddings.weight", "output_layer.weight"))]
         dist.all_reduce(grads[tied], group=ps.get_embedding_group())
 
 
 def global_grad_norm(model, grads: dict[str, torch.Tensor]) -> float:
-    """L2 norm of the whole model's gradient over TP shards and PP stages (replicated parameters
-    and the last stage's mirror of a tied embedding counted once)."""
+    """L2 norm of the whole model's gradient over TP shards, PP stages and the experts of every EP
+    rank (replicated parameters and the last stage's mirror of a tied embedding counted once)."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
     pp = ps.get_pipeline_model_parallel_world_size()
     mirror = pp > 1 and _tied(model) and not model.pre_process
     split_dim = getattr(model, "tp_split_dim", tp_split_dim)  # LoRA adapters say how theirs are split
-    total = torch.zeros(1, device=collective_device())
+    total, experts = torch.zeros(1, device=collective_device()), torch.zeros(1, device=collective_device())
     for name, g in _counted(grads, mirror):
         sq = g.float().pow(2).sum().to(total.device)
-        total += sq if (split_dim(name) is not None or tp == 1) else sq / tp
+        if expert_index(name) is not None:  # whole on its rank, one EP rank's share of the experts
+            experts += sq
+        else:
+            total += sq if (split_dim(name) is not None or tp == 1) else sq / tp
     if tp > 1:
         dist.all_reduce(total, group=ps.get_tensor_model_parallel_group())
+    if ps.get_expert_model_parallel_world_size() > 1:
+        dist.all_reduce(experts, group=ps.get_expert_model_parallel_group())
+    total += experts
     if pp > 1:
         dist.all_reduce(total, group=ps.get_pipeline_model_parallel_group())
     return float(total.sqrt())

@@ -18,14 +18,18 @@ import torch.nn.functional as F
 
 from rft.models.families import rope_frequencies
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
+from rft.trainer.moe import moe_config
 from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def init_model_parallel(tp: int, seed: int, pp: int = 1, vpp: int = 1) -> None:
+def init_model_parallel(tp: int, seed: int, pp: int = 1, vpp: int = 1, ep: int = 1) -> None:
     """Megatron's parallel state over the already-initialised default group (trainer ranks);
-    `vpp` (trainer.virtual_pipeline_stages) model chunks per pipeline stage."""
+    `vpp` (trainer.virtual_pipeline_stages) model chunks per pipeline stage; `ep`
+    (trainer.expert_parallel_size) ranks of the data-parallel dimension that split each MoE
+    layer's experts between them, also over TP ranks: experts are never split by TP (expert TP 1,
+    rft/weights/hf_megatron.py says why)."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -34,7 +38,8 @@ def init_model_parallel(tp: int, seed: int, pp: int = 1, vpp: int = 1) -> None:
     apply_cpu_redirects()
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+                                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(seed)
 
 
@@ -76,15 +81,6 @@ def model_chunks(model) -> list[torch.nn.Module]:
     return [chunk for _, chunk in named_chunks(model)]
 
 
-def collective_device() -> torch.device:
-    """Where tensors built for a collective must live: NCCL (GPU trainers) takes CUDA tensors only."""
-    import torch.distributed as dist
-
-    if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def load_hf_state(path: str) -> dict[str, torch.Tensor]:
     """All tensors of an HF safetensors checkpoint directory."""
     from safetensors.torch import load_file
@@ -107,7 +103,8 @@ RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations re
 
 
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
-                    recompute: str = "none", sequence_parallel: bool = False, transformer_impl: str = "local"):
+                    recompute: str = "none", sequence_parallel: bool = False, transformer_impl: str = "local",
+                    moe_aux_loss_coeff: float | None = None):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
 
     `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
@@ -120,6 +117,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     Under a virtual pipeline (init_model_parallel's `vpp` > 1) the model is the stage's
     `VirtualStages`. `transformer_impl`: the layers, `local` or `transformer_engine`
     (layer_spec.resolve_transformer_impl turns trainer.transformer_impl into one of them).
+    A mixture-of-experts model (Qwen3-MoE) gets Megatron's MoE layers (rft/trainer/moe.py), its
+    experts split over the expert-parallel ranks; `moe_aux_loss_coeff` (trainer.moe_aux_loss_coeff)
+    weighs their load-balancing loss, None: the model's `router_aux_loss_coef`. With TP > 1 it runs
+    sequence parallel whatever `sequence_parallel` says: Megatron trains MoE layers under TP only so.
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
@@ -140,6 +141,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
                          f"divide the model's {geo.num_layers} layers")
     on_gpu = torch.cuda.is_available()
     params_dtype = _DTYPES[dtype]
+    if moe_aux_loss_coeff is None:
+        moe_aux_loss_coeff = float(getattr(hf, "router_aux_loss_coef", 0.0) or 0.0)
+    experts = moe_config(geo, moe_aux_loss_coeff, parallel_state.get_expert_model_parallel_world_size(),
+                         transformer_impl)
     config = TransformerConfig(
         num_layers=geo.num_layers,
         hidden_size=geo.hidden_size,
@@ -157,7 +162,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         hidden_dropout=0.0,
         attention_dropout=0.0,
         tensor_model_parallel_size=tp,
-        sequence_parallel=sequence_parallel and tp > 1,
+        sequence_parallel=(sequence_parallel or geo.num_experts > 0) and tp > 1,
         pipeline_model_parallel_size=pp,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
         # interleaved: each exchange posted on its own, even ranks sending first and odd ranks
@@ -183,6 +188,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         # must sum gradients over DP replicas, not average them
         calculate_per_token_loss=True,
         **RECOMPUTE[recompute],
+        **experts,
     )
     # microbatches differ in length and rows: pipeline stages send a shape before each hidden
     # state. Set after construction: TransformerConfig refuses it with its default MoE token

@@ -22,7 +22,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward
+from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward, sequence_multiple
+from rft.trainer.moe import aux_loss_scale_kept, set_aux_loss_scale, unscaled_loss
 
 # (microbatch index, microbatch, *head outputs) -> scalar loss to backward; with the default head
 # the outputs are (logprobs [b, s-1], entropy or None)
@@ -85,13 +86,13 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
             if non_loss_data:
                 return head(out, mb)
             loss = loss_fn(m, mb, *head(out, mb)) if m < real else out.float().sum() * 0.0  # a filler
-            return loss, _ONE, None
+            return unscaled_loss(loss, chunk.config), _ONE, None
 
         return output, finish
 
     # every chunk reads the microbatches in order (the schedule decides when): one iterator each
     data = [iter(enumerate(mbs)) for _ in chunks]
-    with cuda_tensors_on_cpu():
+    with cuda_tensors_on_cpu(), aux_loss_scale_kept(chunks[0].config):
         out = get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=data if len(chunks) > 1 else data[0], model=chunks,
             # shapes travel with each message (variable_seq_lengths): these two are not read
@@ -107,7 +108,13 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
     the last stage); the default head gives logprobs and entropy (unless `with_entropy` is False)."""
     from megatron.core import parallel_state as ps
 
+    from rft.trainer.model import model_chunks
+
     head = head or LogprobsHead(with_entropy)
+    if model_chunks(model)[0].config.num_moe_experts:
+        # the tokens this rank's routers see: under sequence parallelism 1/TP of each microbatch
+        routed = sum(mb.input_ids.numel() for mb in mbs) // sequence_multiple(model)
+        set_aux_loss_scale(routed, ps.get_data_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() == 1:
         for m, mb in enumerate(mbs):
             loss_fn(m, mb, *head(_run_model(model, mb, head), mb)).backward()

@@ -29,7 +29,9 @@ class WeightPublisher:
         layout = sync_layout(cfg, topology, on_gpu)
         stage = ps.get_pipeline_model_parallel_rank()
         self.geo, self.version = geo, 0
-        self.exports = ps.get_data_parallel_rank() == 0
+        # DP replica 0 exports; under expert parallelism the ranks holding the rest of its experts
+        # (expert-DP rank 0) join in, for the experts' all-gather
+        self.exports = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
         self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
         self.sender = None
         self.cfg, self.topology, self.on_gpu = cfg, topology, on_gpu

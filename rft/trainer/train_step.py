@@ -34,7 +34,7 @@ from rft.config import AlgorithmConfig
 from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import microbatches, mini_batch_rows, mini_batches
-from rft.trainer.model import collective_device
+from rft.trainer.devices import collective_device
 from rft.trainer.optimizer_contract import StepResult, TrainerOptimizer
 from rft.trainer.pipeline import forward_backward, forward_logprobs_pipelined
 

@@ -39,6 +39,7 @@ from rft.trainer.hf_weights import load_hf_weights
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.lora import LoRA
 from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+from rft.trainer.moe import RouterLoads
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.sharded_state import ShardedModel
@@ -52,13 +53,14 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     """Train every stage; with `resume`, start at its pending sync (rft/runtime/checkpoint.py)."""
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
-                        cfg.trainer.virtual_pipeline_stages)
+                        cfg.trainer.virtual_pipeline_stages, cfg.trainer.expert_parallel_size)
     lora = trains_lora(cfg)
     layers = resolve_transformer_impl(cfg.trainer.transformer_impl, lora)
     if topology.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
         print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora, layers)}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
-                                 sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers)
+                                 sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers,
+                                 moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
@@ -135,6 +137,7 @@ class Learner:
 
         self.cfg, self.topology, self.model, self.geo, self.runtime = cfg, topology, model, geo, runtime
         self.lora: LoRA | None = None
+        self.router_loads = RouterLoads(model, geo.num_layers, geo.num_experts) if geo.num_experts else None
         weight = next(model.parameters())
         self.peak_tflops = peak_tflops(weight.device, weight.dtype)  # None: no MFU to log (CPU, fp32, unknown GPU)
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
@@ -265,6 +268,10 @@ class Learner:
             scalars["timing/buffer_read_s"] = io_s
         self.runtime.progress.add(train_s=trained - start, buffer_s=io_s)
         scalars.update(metrics)
+        if self.router_loads is not None:  # an MoE model: how evenly its routers spread the step's tokens
+            from megatron.core import parallel_state as ps
+
+            scalars.update(self.router_loads.scalars(ps.get_data_parallel_group(), ps.get_pipeline_model_parallel_group()))
         scalars.update(self.data_scalars)
         self.data_scalars = {}
         seconds = max(trained - start, 1e-9)

@@ -1,5 +1,5 @@
-"""HF <-> Megatron-core names and layouts for the dense families of rft/models/families.py (Llama, Qwen2,
-Qwen3).
+"""HF <-> Megatron-core names and layouts for the families of rft/models/families.py (Llama, Qwen2,
+Qwen3, Qwen3-MoE).
 
 Layouts that differ:
   - QKV is one fused `linear_qkv` in Megatron, ordered per query group: for each KV head g,
@@ -13,6 +13,15 @@ Layouts that differ:
     `input_layernorm` / `pre_mlp_layernorm` (`local_spec_name`).
   - Under pipeline parallelism a stage numbers its layers from 0; names here use global layer
     numbers, and `rft/trainer/hf_weights.py` translates.
+  - Mixture of experts (Qwen3-MoE): HF's router `mlp.gate` is Megatron's `mlp.router`; expert j's
+    gate/up/down projections are `mlp.experts.local_experts.<j>.linear_fc1` (= [gate; up]) and
+    `linear_fc2`, each whole on its rank: rft runs experts without tensor parallelism (expert
+    TP 1; expert parallelism splits them instead, also over the TP ranks), because Megatron
+    gathers an expert's tokens over expert-TP ranks in pieces of different sizes, which gloo
+    cannot. Names here number experts
+    globally; under expert parallelism a rank holds a contiguous slice of them, and
+    `rft/trainer/hf_weights.py` translates. Transformer Engine's grouped experts name expert j's
+    weights `mlp.experts.linear_fc1.weight<j>`, mapped like the local spec's (`local_spec_name`).
 Megatron-Bridge does this mapping too, but it does not install on Python 3.11 with
 megatron-core 0.16 (it needs a newer core), so the few rules live here and are tested against
 `transformers` logits.
@@ -20,12 +29,13 @@ megatron-core 0.16 (it needs a newer core), so the few rules live here and are t
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from rft.models.families import check_rope, family, has_qkv_bias, rope_parameters
+from rft.models.families import check_rope, family, has_qkv_bias, moe_layers, num_experts, rope_parameters
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,11 @@ class Geometry:
     rope_theta: float = 10000.0
 
     rope_type: str = "default"  # rft.models.families.ROPE_TYPES
+    num_experts: int = 0  # routed experts per MoE layer (0: dense)
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the experts (0-based, global)
+    moe_topk: int = 0  # experts each token is routed to
+    moe_ffn_hidden_size: int = 0  # one expert's intermediate size
+    moe_norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1
 
     @staticmethod
     def from_hf(hf_config) -> "Geometry":
@@ -63,6 +78,11 @@ class Geometry:
             qk_norm=fam.qk_norm,
             rope_theta=rope_parameters(hf_config)["rope_theta"],
             rope_type=check_rope(hf_config),
+            num_experts=num_experts(hf_config),
+            moe_layers=moe_layers(hf_config),
+            moe_topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
+            moe_ffn_hidden_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
+            moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)),
         )
 
 
@@ -96,9 +116,11 @@ _TP_DIM = {
     "self_attention.linear_qkv.weight": 0,
     "self_attention.linear_qkv.bias": 0,
     "self_attention.linear_proj.weight": 1,
-    "mlp.linear_fc1.weight": 0,
-    "mlp.linear_fc2.weight": 1,
+    "linear_fc1.weight": 0,  # a dense MLP's, or an expert's (mlp.experts.local_experts.<j>.)
+    "linear_fc2.weight": 1,
 }
+
+_GROUPED_EXPERT = re.compile(r"\.mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
 _TE_FUSED_NORMS = {  # Transformer Engine's name -> the local layer spec's
@@ -112,10 +134,25 @@ def local_spec_name(megatron_name: str) -> str:
     for te_suffix, local_suffix in _TE_FUSED_NORMS.items():
         if megatron_name.endswith("." + te_suffix):
             return megatron_name[: -len(te_suffix)] + local_suffix
-    return megatron_name
+    return _GROUPED_EXPERT.sub(lambda m: f".mlp.experts.local_experts.{m.group(2)}.{m.group(1)}.weight", megatron_name)
+
+
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+
+
+def expert_index(megatron_name: str) -> int | None:
+    """The expert a parameter belongs to (as its name numbers it), or None outside the experts."""
+    found = _EXPERT.search(megatron_name)
+    return int(found.group(1)) if found else None
+
+
+def renumber_expert(megatron_name: str, index: int) -> str:
+    return _EXPERT.sub(f".mlp.experts.local_experts.{index}.", megatron_name)
 
 
 def tp_split_dim(megatron_name: str) -> int | None:
+    if expert_index(megatron_name) is not None:
+        return None  # experts are whole on every rank (expert TP 1)
     for suffix, dim in _TP_DIM.items():
         if megatron_name.endswith(suffix):
             return dim
@@ -145,10 +182,17 @@ def hf_to_megatron_full(hf: dict[str, torch.Tensor], g: Geometry, tp: int) -> di
             out[m + "self_attention.q_layernorm.weight"] = hf[attn + "q_norm.weight"]
             out[m + "self_attention.k_layernorm.weight"] = hf[attn + "k_norm.weight"]
         out[m + "pre_mlp_layernorm.weight"] = hf[h + "post_attention_layernorm.weight"]
-        gate, up = hf[h + "mlp.gate_proj.weight"], hf[h + "mlp.up_proj.weight"]
-        out[m + "mlp.linear_fc1.weight"] = torch.cat(
-            [torch.cat([gc, uc]) for gc, uc in zip(gate.chunk(tp), up.chunk(tp))])
-        out[m + "mlp.linear_fc2.weight"] = hf[h + "mlp.down_proj.weight"]
+        if i in g.moe_layers:
+            out[m + "mlp.router.weight"] = hf[h + "mlp.gate.weight"]
+            mlps = [(h + f"mlp.experts.{j}.", m + f"mlp.experts.local_experts.{j}.") for j in range(g.num_experts)]
+        else:
+            mlps = [(h + "mlp.", m + "mlp.")]
+        for hf_mlp, mlp in mlps:
+            gate, up = hf[hf_mlp + "gate_proj.weight"], hf[hf_mlp + "up_proj.weight"]
+            parts = tp if mlp == m + "mlp." else 1  # an expert is not split over TP
+            out[mlp + "linear_fc1.weight"] = torch.cat(
+                [torch.cat([gc, uc]) for gc, uc in zip(gate.chunk(parts), up.chunk(parts))])
+            out[mlp + "linear_fc2.weight"] = hf[hf_mlp + "down_proj.weight"]
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not g.tied_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
@@ -183,11 +227,16 @@ def megatron_full_to_hf(name: str, full: torch.Tensor, g: Geometry,
         yield h + "self_attn.o_proj.weight", full
     elif rest in ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight"):
         yield h + f"self_attn.{rest.split('.')[1][0]}_norm.weight", full
-    elif rest == "mlp.linear_fc1.weight":
-        shards = [s.chunk(2) for s in full.chunk(tp)]
-        yield h + "mlp.gate_proj.weight", torch.cat([s[0] for s in shards])
-        yield h + "mlp.up_proj.weight", torch.cat([s[1] for s in shards])
-    elif rest == "mlp.linear_fc2.weight":
-        yield h + "mlp.down_proj.weight", full
+    elif rest == "mlp.router.weight":
+        yield h + "mlp.gate.weight", full
+    elif rest.startswith("mlp.") and rest.endswith(("linear_fc1.weight", "linear_fc2.weight")):
+        expert = expert_index(name)
+        hf_mlp = h + ("mlp." if expert is None else f"mlp.experts.{expert}.")
+        if rest.endswith("linear_fc1.weight"):
+            shards = [s.chunk(2) for s in full.chunk(tp if expert is None else 1)]
+            yield hf_mlp + "gate_proj.weight", torch.cat([s[0] for s in shards])
+            yield hf_mlp + "up_proj.weight", torch.cat([s[1] for s in shards])
+        else:
+            yield hf_mlp + "down_proj.weight", full
     else:
         raise KeyError(f"no HF mapping for Megatron parameter {name}")

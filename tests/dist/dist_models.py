@@ -12,9 +12,9 @@ VOCAB = 97
 
 def family_config(family: str):
     """One config per mapping rule set: Qwen2 (qkv bias, untied), Llama (tied, rope_theta 1e5
-    like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied), and the scaled RoPEs
-    (llama3, llama_linear, qwen2_yarn)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    like SmolLM2), Qwen3 (q/k norms, head_dim != hidden/heads, untied), the scaled RoPEs
+    (llama3, llama_linear, qwen2_yarn) and Qwen3-MoE (4 experts, 2 per token, layer 1 dense)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     common = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=192, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -25,6 +25,9 @@ def family_config(family: str):
         return LlamaConfig(**common, tie_word_embeddings=True, rope_theta=100000.0)
     if family == "qwen3":
         return Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
     # scaled RoPE, with an original context shorter than the test's sequences' wavelengths, so the
     # scaling changes most frequencies: Llama 3.1's, and Qwen2.5's YaRN (its attention factor too)
     if family == "llama3":
@@ -48,6 +51,8 @@ def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):  # a router far from uniform: no near-ties in its top k
+                p.copy_(0.5 * torch.randn_like(p))
             elif name.endswith(".bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     model.save_pretrained(out_dir, safe_serialization=True)
@@ -57,7 +62,7 @@ def create_family_model(family: str, out_dir: str, seed: int = 0) -> str:
     return out_dir
 
 
-def init_gloo(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1) -> None:
+def init_gloo(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1, ep: int = 1) -> None:
     """A gloo default group and Megatron's parallel state, as a trainer rank sets them up."""
     import torch.distributed as dist
 
@@ -66,7 +71,7 @@ def init_gloo(rank: int, world: int, port: int, tp: int, pp: int, vpp: int = 1) 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    init_model_parallel(tp, seed=0, pp=pp, vpp=vpp)
+    init_model_parallel(tp, seed=0, pp=pp, vpp=vpp, ep=ep)
 
 
 def spawn(worker, world: int, *args) -> None:

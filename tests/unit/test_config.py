@@ -1,6 +1,7 @@
 """Config composition and validation: bad values name the key and the fix; unknown keys fail."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -203,7 +204,7 @@ def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, wh
 
 
 @pytest.mark.parametrize("change, says", [
-    ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3"),
+    ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3, qwen3_moe"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported; supported: "
                                                                   "default, linear, llama3, yarn"),
     ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "rope_type 'longrope' is not supported"),
@@ -231,3 +232,37 @@ def test_a_model_the_trainer_cannot_build_is_refused_at_launch(tmp_path, change,
         with pytest.raises(ValueError, match="model.path=") as err:
             validate(cfg)
         assert says in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, key, says", [
+    (["trainer.expert_parallel_size=3"], "trainer.expert_parallel_size", "must divide the model's 4 experts"),
+    (["trainer.expert_parallel_size=4"], "trainer.expert_parallel_size",
+     "must divide the 2 trainer ranks of a pipeline stage"),
+    (["trainer.moe_aux_loss_coeff=-1"], "trainer.moe_aux_loss_coeff", "use 0"),
+    (["+stages.1.trainer.lora.rank=8"], "stages[grpo].trainer.lora.rank", "not supported on mixture-of-experts"),
+])
+def test_expert_parallelism_that_cannot_split_the_experts_is_refused_naming_the_key(tmp_path, overrides, key, says):
+    """A Qwen3-MoE model with 4 experts on 2 trainer ranks: EP 2 is accepted; EP on a dense model,
+    EP that does not divide the experts or a stage's ranks, a negative aux coefficient and LoRA
+    are refused before anything starts."""
+    import json
+
+    moe = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+           "hidden_size": 128, "max_position_embeddings": 128, "num_experts": 4, "num_experts_per_tok": 2}
+    base = ("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.trainer_ranks=2")
+    cfg = compose_cfg(*base, "trainer.expert_parallel_size=2")
+    cfg.model.tiny, cfg.model.path = None, str(tmp_path / "model")
+    os.makedirs(cfg.model.path)
+    with open(os.path.join(cfg.model.path, "config.json"), "w") as f:
+        json.dump(moe, f)
+    validate(cfg)
+    bad = compose_cfg(*base, *overrides)
+    bad.model.tiny, bad.model.path = None, cfg.model.path
+    with pytest.raises(ValueError, match=re.escape(key)) as err:
+        validate(bad)
+    assert says in str(err.value)
+    with open(os.path.join(cfg.model.path, "config.json"), "w") as f:
+        json.dump({**moe, "model_type": "qwen3", "num_experts": 0}, f)
+    with pytest.raises(ValueError, match="trainer.expert_parallel_size") as err:
+        validate(cfg)
+    assert "has no experts to split" in str(err.value)

@@ -61,7 +61,9 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-@pytest.mark.parametrize("offset", [0, 1])
+# sync.offset 1 only: the explorer's checkpoint ahead of the trainer's is the harder case, and
+# tests/e2e/test_chaos.py kills ranks of a run at offset 0 and checks it ends bit for bit
+@pytest.mark.parametrize("offset", [1])
 def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, offset, uninterrupted):
     run_dir = tmp_path / "run"
     overrides = _overrides(run_dir, offset)

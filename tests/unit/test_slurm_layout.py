@@ -244,12 +244,40 @@ def test_a_model_preset_lays_its_model_out_on_a_node_of_8_gpus(tmp_path, monkeyp
     topology = Topology.of(cfg)
     assert (topology.trainer_ranks, topology.engine_count, cfg.trainer.tensor_parallel_size) == (4, 4, 2)
     assert cfg.model.dtype == "bfloat16" and cfg.trainer.max_tokens_per_microbatch == 8192  # the recipe's still
-    executor = make_executor(cfg, str(tmp_path / "logs"))
+    _matches_golden_sbatch(cfg, tmp_path, "sbatch_1x8_gpu_dense_preset.sh")  # one for all three
+
+
+def test_the_moe_preset_lays_qwen3_30b_a3b_out_on_four_nodes_of_8_gpus(tmp_path, monkeypatch):
+    """conf/model/qwen3_30b_a3b.yaml: two nodes of trainer ranks (PP 2, each stage's 8 ranks
+    splitting the experts, EP 8) and two of vLLM engines (TP 2); every check passes, the sbatch
+    script is the golden one."""
+    import shutil
+
+    from rft.config.checks import validate
+    from tests.unit.test_config import _small_tasksets, compose_cfg
+
+    _srun_on_path(tmp_path, monkeypatch)
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "golden", "model_configs", "qwen3_30b_a3b.json"),
+                model / "config.json")
+    cfg = compose_cfg("+experiment=gsm8k_grpo", "model=qwen3_30b_a3b", "cluster=slurm", f"model.path={model}",
+                      f"run.output_dir={tmp_path / 'run'}", *_small_tasksets(tmp_path))
+    validate(cfg)
+    check_request(cfg)
+    topology = Topology.of(cfg)
+    assert (topology.trainer_ranks, topology.engine_count, cfg.rollout.tensor_parallel_size) == (16, 8, 2)
+    assert (cfg.trainer.pipeline_parallel_size, cfg.trainer.expert_parallel_size) == (2, 8)
+    _matches_golden_sbatch(cfg, tmp_path, "sbatch_4x8_gpu_moe_preset.sh")
+
+
+def _matches_golden_sbatch(cfg, tmp_path, name: str) -> None:
     from rft.launch.slurm import REPO
 
+    executor = make_executor(cfg, str(tmp_path / "logs"))
     script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
     script = script.replace(str(tmp_path), "RUN").replace(sys.executable, "PYTHON").replace(REPO, "REPO")
-    golden = os.path.join(os.path.dirname(__file__), "golden", "sbatch_1x8_gpu_dense_preset.sh")  # one for all three
+    golden = os.path.join(os.path.dirname(__file__), "golden", name)
     if os.environ.get("RFT_UPDATE_GOLDEN"):
         with open(golden, "w") as f:
             f.write(script)

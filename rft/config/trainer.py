@@ -30,7 +30,7 @@ class TrainerConfig:
     pipeline_parallel_size: int = 1  # Megatron PP: stages run Megatron's 1F1B schedule (rft/trainer/pipeline.py)
     virtual_pipeline_stages: int = 1  # >1 (with PP >= 2): model chunks per stage, Megatron's interleaved 1F1B
     expert_parallel_size: int = 1  # MoE models: ranks that split each layer's experts (of the TP x DP ranks of a stage)
-    moe_aux_loss_coeff: Optional[float] = None  # MoE models: weight of the router's load-balancing loss (None: the model's router_aux_loss_coef)
+    moe_aux_loss_coeff: Optional[float] = None  # MoE: load-balancing loss weight (None: the model's router_aux_loss_coef)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
     threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
     save_interval: int = 0  # also checkpoint every N global steps (0: by time and on Slurm's time-limit signal only)

@@ -78,7 +78,7 @@ class _HostStream:
     def wait_stream(self, _other) -> None:
         pass
 
-    def record_event(self, *_args) -> "_HostStream":
+    def record_event(self, *_args) -> _HostStream:
         return self
 
     def synchronize(self) -> None:

@@ -127,8 +127,8 @@ def hf_table(model, geo: Geometry, wire_dtype: torch.dtype) -> TensorTable:
         if dim is not None:
             shape[dim] *= tp
         meta = torch.empty(shape, device="meta")
-        table += [(hf_name, tuple(t.shape), str(wire_dtype))
-                  for every_name in _every_expert(gname, geo) for hf_name, t in megatron_full_to_hf(every_name, meta, geo, tp)]
+        table += [(hf_name, tuple(t.shape), str(wire_dtype)) for every_name in _every_expert(gname, geo)
+                  for hf_name, t in megatron_full_to_hf(every_name, meta, geo, tp)]
     return table
 
 

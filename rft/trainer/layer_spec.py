@@ -104,7 +104,10 @@ def block_spec(config, qk_norm: bool, vp_stage: int | None = None):
     """This pipeline stage's layers (of its virtual stage `vp_stage`) in `config.transformer_impl`:
     in a mixture-of-experts model (`config.moe_layer_freq`, one 0/1 per layer), routed experts in
     place of the MLP where the pattern says 1."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
     make = _transformer_engine_layer if config.transformer_impl == "transformer_engine" else _local_layer
@@ -141,7 +144,9 @@ def _transformer_engine_layer(qk_norm: bool, num_experts: int | None):  # GPU pa
     """Megatron's own Transformer Engine spec, unchanged (routed experts as TE's grouped GEMM), and
     TE's norm for the final one."""
     from megatron.core.extensions.transformer_engine import TENorm
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
 
     return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, moe_grouped_gemm=bool(num_experts),
                                                       qk_layernorm=qk_norm), TENorm

@@ -162,10 +162,10 @@ class MasterWeightsOptimizer:
 
 
 def sync_grads(model, grads: dict[str, torch.Tensor]) -> None:
-    """Sum gradients over DP replicas (an expert's: over the ranks holding the same experts); over TP for q/k norms (each TP rank saw its own heads) and,
-    under sequence parallelism, for every parameter Megatron marks `sequence_parallel` (norms:
-    each TP rank saw its slice of the sequence); and over the two copies of a tied embedding under
-    PP (in place)."""
+    """Sum gradients over DP replicas (an expert's: over the ranks holding the same experts); over
+    TP for q/k norms (each TP rank saw its own heads) and, under sequence parallelism, for every
+    parameter Megatron marks `sequence_parallel` (norms, routers: each TP rank saw its slice of the
+    sequence); and over the two copies of a tied embedding under PP (in place)."""
     from megatron.core import parallel_state as ps
 
     if ps.get_tensor_model_parallel_world_size() > 1:

@@ -131,7 +131,10 @@ class RouterLoads:
         balanced) for each MoE layer, their worst as moe/load_max_over_mean, and moe/aux_loss
         (Megatron's load-balancing loss without its coefficient, averaged over microbatches, DP
         ranks and MoE layers). A collective over DP and PP; every rank gets the same."""
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+        from megatron.core.transformer.moe.moe_utils import (
+            clear_aux_losses_tracker,
+            get_moe_layer_wise_logging_tracker,
+        )
 
         tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
         if tracker is not None:  # this rank's sum over its microbatches, per (global) layer

@@ -22,7 +22,12 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from rft.trainer.forward import Microbatch, logprobs_from_logits, model_forward, sequence_multiple
+from rft.trainer.forward import (
+    Microbatch,
+    logprobs_from_logits,
+    model_forward,
+    sequence_multiple,
+)
 from rft.trainer.moe import aux_loss_scale_kept, set_aux_loss_scale, unscaled_loss
 
 # (microbatch index, microbatch, *head outputs) -> scalar loss to backward; with the default head

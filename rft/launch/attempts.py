@@ -52,7 +52,7 @@ def start_or_resume(cfg: RFTConfig) -> str | None:
 # the layout a checkpoint's trainer tensors reshard across (rft/trainer/sharded_state.py), when
 # every tensor component was saved sharded and no rank changes place (reshard_refusal)
 RESHARDABLE = ("cluster.trainer_ranks", "trainer.tensor_parallel_size", "trainer.pipeline_parallel_size",
-               "trainer.virtual_pipeline_stages")
+               "trainer.virtual_pipeline_stages", "trainer.expert_parallel_size")
 # what a resume keeps whatever the checkpoint holds: Transformer Engine's layers name their norms
 # otherwise, and LoRA adapters are saved per rank in their stage's rank
 CHECKPOINT_LAYOUT = ("trainer.transformer_impl",)

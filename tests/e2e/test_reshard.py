@@ -1,10 +1,11 @@
 """A run saved at one trainer layout resumes at another: its checkpoint holds the model and the
 optimizer layout-free (megatron-core's dist_checkpointing, rft/trainer/sharded_state.py), so a run
 killed at TP=2 continues at TP=1 on one rank, or at PP=2, and its next steps train as the run
-that never stopped did.
+that never stopped did; a mixture-of-experts run saved with its experts split over two ranks
+(EP=2) continues with every rank holding all of them (EP=1).
 
-SFT (mode=train) on the quickstart's tiny model and tasks: no rollout ranks, so the number of
-trainer ranks may change too."""
+SFT (mode=train) on the quickstart's tasks, with its tiny model or a tiny Qwen3-MoE: no rollout
+ranks, so the number of trainer ranks may change too."""
 
 from __future__ import annotations
 
@@ -33,26 +34,19 @@ def losses(run_dir: str) -> dict[int, tuple[float, float]]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def killed_at_tp2(tmp_path_factory) -> tuple[str, str]:
-    """(a run that never stopped, a run killed in step 5 with its checkpoint of step 3), at TP=2."""
-    root = tmp_path_factory.mktemp("reshard")
+def _whole_and_killed(root, *layout: str) -> tuple[str, str]:
+    """(a run that never stopped, a run killed in step 5 with its checkpoint of step 3)."""
     whole, killed = str(root / "whole"), str(root / "killed")
-    done = launch(*SFT, *TP2, f"run.output_dir={whole}")
+    done = launch(*SFT, *layout, f"run.output_dir={whole}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    stopped = launch(*SFT, *TP2, f"run.output_dir={killed}",
+    stopped = launch(*SFT, *layout, f"run.output_dir={killed}",
                      env={**os.environ, "RFT_FAULTS": f"kill_train@{KILLED_AT}#0"})
     assert stopped.returncode != 0, stopped.stdout[-3000:]
     assert os.path.isdir(os.path.join(killed, "checkpoints", f"step{SAVE_EVERY:08d}", "sharded"))
     return whole, killed
 
 
-@pytest.mark.parametrize("layout", [("cluster.trainer_ranks=1",),  # TP=1 on one rank
-                                    ("cluster.trainer_ranks=2", "trainer.pipeline_parallel_size=2")],
-                         ids=["tp1", "pp2"])
-def test_a_run_saved_at_tp2_resumes_at_another_layout_and_trains_as_if_never_stopped(killed_at_tp2, layout, tmp_path):
-    whole, killed = killed_at_tp2
-    run_dir = str(tmp_path / "run")
+def _resumed_trains_as_whole(whole: str, killed: str, run_dir: str, *layout: str) -> None:
     shutil.copytree(killed, run_dir)
     resumed = launch(*SFT, *layout, f"run.output_dir={run_dir}")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -66,6 +60,29 @@ def test_a_run_saved_at_tp2_resumes_at_another_layout_and_trains_as_if_never_sto
         assert got[step][0] == pytest.approx(want[step][0], rel=1e-5), (step, got[step], want[step])
         assert got[step][1] == pytest.approx(want[step][1], rel=1e-4), (step, got[step], want[step])
     assert want[STEPS][0] < want[SAVE_EVERY][0] - 0.1  # the steps after the resume learned something
+
+
+@pytest.fixture(scope="module")
+def killed_at_tp2(tmp_path_factory) -> tuple[str, str]:
+    return _whole_and_killed(tmp_path_factory.mktemp("reshard"), *TP2)
+
+
+@pytest.mark.parametrize("layout", [("cluster.trainer_ranks=1",),  # TP=1 on one rank
+                                    ("cluster.trainer_ranks=2", "trainer.pipeline_parallel_size=2")],
+                         ids=["tp1", "pp2"])
+def test_a_run_saved_at_tp2_resumes_at_another_layout_and_trains_as_if_never_stopped(killed_at_tp2, layout, tmp_path):
+    _resumed_trains_as_whole(*killed_at_tp2, str(tmp_path / "run"), *layout)
+
+
+def test_a_moe_run_saved_at_ep2_resumes_at_ep1_and_trains_as_if_never_stopped(tmp_path):
+    """Two trainer ranks (DP=2) both times, so each rank's microbatches, and with them the routers'
+    load-balancing losses, are the same before and after."""
+    from tests.dist.dist_models import create_family_model
+
+    model = create_family_model("qwen3_moe", str(tmp_path / "moe"))
+    moe = ("model.tiny=null", f"model.path={model}", "cluster.trainer_ranks=2")
+    whole, killed = _whole_and_killed(tmp_path, *moe, "trainer.expert_parallel_size=2")
+    _resumed_trains_as_whole(whole, killed, str(tmp_path / "run"), *moe, "trainer.expert_parallel_size=1")
 
 
 def test_a_torn_shard_file_is_told_and_its_checkpoint_set_aside(killed_at_tp2, tmp_path):

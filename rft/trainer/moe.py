@@ -13,7 +13,7 @@
   the gradient that of `trainer.moe_aux_loss_coeff` x the load-balancing loss averaged over
   tokens, however the batch is cut and laid out, as the policy loss is
   (rft/trainer/train_step.py). Under sequence parallelism a TP rank's router sees 1/TP of the
-  tokens and its loss is the part of the sequence's it holds; their gradients add up over TP.
+  tokens and its loss covers the part of the sequence it holds; their gradients add up over TP.
 - `RouterLoads`: tokens routed to each expert of each MoE layer during a step's training
   forwards, summed over DP and pipeline stages; `scalars` turns them into the logged
   `moe/load_max_over_mean` (per layer, and the worst layer) and the load-balancing loss.

@@ -64,13 +64,17 @@ def run_differences(reference: str, other: str, done: int, states: dict[int, tup
         found += [f"{name} step {s} {k}: {v} != {got[s].get(k)}" for s in want if s in got
                   for k, v in want[s].items() if got[s].get(k) != v]
     step_dirs = [os.path.join(run, "checkpoints", f"step{done:08d}") for run in (reference, other)]
+    sharded: set[str] = set()  # the trainer ranks' tensors: one set for all of them, compared once below
     for rank, keys in states.items():
         want, got = (torch.load(os.path.join(d, f"rank{rank}.pt"), weights_only=False) for d in step_dirs)
-        found += [f"rank {rank}'s final {d}" for key in keys if key in want for d in differences(want[key], got[key], key)]
-        sharded = [key for key in keys if key in want.get(SHARDED, {}).get("components", ())]
-        missing = [key for key in keys if key not in want and key not in sharded]
+        found += [f"rank {rank}'s final {d}" for key in keys if key in want
+                  for d in differences(want[key], got[key], key)]
+        in_shards = {key for key in keys if key in want.get(SHARDED, {}).get("components", ())}
+        missing = [key for key in keys if key not in want and key not in in_shards]
         found += [f"rank {rank}'s final {key} (not in its checkpoint)" for key in missing]
-        if sharded:  # the trainer ranks' tensors, compared whole (the same for every trainer rank)
-            want_shards, got_shards = (whole_shards(d) for d in step_dirs)
-            found += [f"final {d}" for key in sharded for d in differences(want_shards.get(key), got_shards.get(key), key)]
+        sharded |= in_shards
+    if sharded:  # compared whole
+        want_shards, got_shards = (whole_shards(d) for d in step_dirs)
+        found += [f"final {d}" for key in sorted(sharded)
+                  for d in differences(want_shards.get(key), got_shards.get(key), key)]
     return found

@@ -15,7 +15,7 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar
 
@@ -55,7 +55,7 @@ class WeightReceiver:
         # checkpoint-format transfer engines do. `load_weights` takes full HF tensors and keeps
         # this worker's TP slice, so any trainer TP/PP maps onto any rollout TP.
         model = self.model_runner.model
-        with set_current_vllm_config(self.vllm_config):
+        with set_current_vllm_config(self.vllm_config), _cpu_experts_repacked(model):
             initialize_layerwise_reload(model)
             result = load(model.load_weights)
             start = time.perf_counter()
@@ -153,6 +153,43 @@ def _rotary_noise(record: logging.LogRecord) -> bool:
     put back untouched."""
     return not (record.msg == "%s: Failed to load weights" and record.args
                 and str(record.args[0]).endswith("RotaryEmbedding"))
+
+
+@contextlib.contextmanager
+def _cpu_experts_repacked(model) -> Iterator[None]:
+    """Make a weight update re-pack the MoE expert weights on vLLM's CPU backend.
+
+    On the first load vLLM's unquantized MoE method hands the expert weights to its kernel's own
+    post-processing, which on CPU pads the intermediate size to a multiple of 32 and packs them
+    for its grouped GEMM. On a weight update (vLLM 0.32, `_setup_kernel`) it skips that step, so
+    the CPU kernel reads checkpoint-layout weights as if packed: logprobs off by 0.035 on the
+    test model after reloading unchanged weights, and a layer whose intermediate size needs
+    padding fails to copy back ("size 128 vs 96"). Inside the layerwise reload, each expert
+    layer's processing is followed by the kernel's, so the padded, packed tensors are what is
+    copied back into the kernel's storage; restored after. GPU backends keep their layout
+    transform in the method itself and are left alone.
+    """
+    from vllm.platforms import current_platform
+
+    patched = []
+    if current_platform.is_cpu():
+        for module in model.modules():
+            method = getattr(module, "quant_method", None)
+            experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+            if experts is None or not hasattr(experts, "process_weights_after_loading"):
+                continue
+
+            def process_then_repack(layer, process=method.process_weights_after_loading, experts=experts):
+                process(layer)
+                experts.process_weights_after_loading(layer)
+
+            method.process_weights_after_loading = process_then_repack
+            patched.append(method)
+    try:
+        yield
+    finally:
+        for method in patched:
+            del method.process_weights_after_loading  # the class's method again
 
 
 def _reprocess_tied_layers(model) -> None:

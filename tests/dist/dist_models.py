@@ -27,7 +27,7 @@ def family_config(family: str):
         return Qwen3Config(**common, head_dim=64, tie_word_embeddings=False)
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, head_dim=32, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=32, mlp_only_layers=[1], norm_topk_prob=True)
+                              moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True)  # vLLM CPU pads 48 to 64
     # scaled RoPE, with an original context shorter than the test's sequences' wavelengths, so the
     # scaling changes most frequencies: Llama 3.1's, and Qwen2.5's YaRN (its attention factor too)
     if family == "llama3":

@@ -19,11 +19,12 @@ SEQUENCES = [[5, 6, 14, 7, 8, 17, 9, 10, 2], [12, 13, 14, 20, 21, 17, 30, 31]]
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
-def _config(model_dir: str, run_dir: str, tp: int, pp: int, rollout_tp: int, engine: str) -> RFTConfig:
+def _config(model_dir: str, run_dir: str, tp: int, pp: int, rollout_tp: int, engine: str, ep: int = 1) -> RFTConfig:
     cfg = RFTConfig()
     cfg.model.path, cfg.run.output_dir = model_dir, run_dir
-    cfg.cluster.trainer_ranks = tp * pp
+    cfg.cluster.trainer_ranks = tp * pp * ep  # EP splits the data-parallel ranks: DP = EP here
     cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size = tp, pp
+    cfg.trainer.expert_parallel_size = ep
     cfg.rollout.tensor_parallel_size = rollout_tp
     cfg.sync.engine, cfg.sync.bucket_mb, cfg.sync.timeout_s = engine, 1, 120
     return cfg
@@ -48,7 +49,8 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
 
     if cfg.sync.engine == "nccl":  # NCCL needs its ranks on distinct GPUs; vLLM has GPU 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(1 + rank)
-    init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
+    init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size,
+              ep=cfg.trainer.expert_parallel_size)
     model, geo = build_gpt_model(cfg.model.path)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     optimizer = build_optimizer(model, lr=1e-2)
@@ -58,7 +60,7 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     device = next(model.parameters()).device
     mb = pack_microbatch([s[:1] for s in SEQUENCES], [s[1:] for s in SEQUENCES], 0, device)
     logprobs = forward_logprobs_pipelined(model, [mb])
-    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and ps.get_data_parallel_rank() == 0:
         torch.save({"logprobs": logprobs[0].cpu(), "mask": mb.loss_mask.cpu()}, out)
     publisher = WeightPublisher(cfg, _info(cfg, rank, port + 10), geo)
     publisher.publish(model, 7)
@@ -68,14 +70,15 @@ def _vllm_logprobs(engine) -> list[list[float]]:
     return engine.prompt_logprobs(SEQUENCES)
 
 
-def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, engine_name: str) -> None:
+def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, engine_name: str, ep: int = 1) -> None:
     import multiprocessing
 
     from rft.config import ModelConfig, RolloutConfig
     from rft.explorer.vllm_engine import RolloutEngine
 
     model_dir = create_family_model(family, str(tmp_path / "model"))
-    cfg = _config(model_dir, str(tmp_path / "run"), tp, pp, rollout_tp, engine_name)
+    cfg = _config(model_dir, str(tmp_path / "run"), tp, pp, rollout_tp, engine_name, ep)
+    world = cfg.cluster.trainer_ranks
     engine = RolloutEngine(ModelConfig(name=family, path=model_dir),
                            RolloutConfig(kv_cache_gb=0.1, tensor_parallel_size=rollout_tp),
                            seed=0, max_model_len=64)
@@ -83,10 +86,10 @@ def _sync_and_compare(tmp_path, family: str, tp: int, pp: int, rollout_tp: int, 
     port, out = free_port(), str(tmp_path / "trainer.pt")
     # the trainer ranks run beside this process, which plays rollout rank T (as in a job)
     trainer = multiprocessing.get_context("spawn").Process(
-        target=spawn, args=(_trainer, tp * pp, cfg, port, out))
+        target=spawn, args=(_trainer, world, cfg, port, out))
     trainer.start()
     on_gpu = engine_name == "nccl"
-    engine.open_weight_receiver(sync_layout(cfg, _info(cfg, tp * pp, port + 10), on_gpu), 0)
+    engine.open_weight_receiver(sync_layout(cfg, _info(cfg, world, port + 10), on_gpu), 0)
     apply_s = engine.receive_weights()
     trainer.join(timeout=300)
     assert trainer.exitcode == 0
@@ -121,6 +124,13 @@ def test_pp2_trainer_to_vllm_tp2_over_gloo(tmp_path):
 @pytest.mark.slow
 def test_tp2_trainer_to_vllm_through_checkpoint(tmp_path):
     _sync_and_compare(tmp_path, "qwen3", tp=2, pp=1, rollout_tp=1, engine_name="checkpoint")
+
+
+@pytest.mark.slow
+def test_moe_trainer_ep2_to_vllm_over_gloo(tmp_path):
+    """Qwen3-MoE: two trainer ranks each hold half the experts (EP=2) and the export gathers them;
+    vLLM's CPU MoE kernel re-packs the updated experts (its intermediate size padded to 64)."""
+    _sync_and_compare(tmp_path, "qwen3_moe", tp=1, pp=1, rollout_tp=1, engine_name="gloo", ep=2)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,8 @@ the trainer reads them back (`from_table`) into its batches, and the algorithms 
     trajectory_id  rows of one trajectory (step_wise writes one row per step)
     task_id, version (policy version that generated it), turns, tool_calls, finish_reason, error,
     metrics        workflow metrics (name -> number), response (the text the reward read)
+    routed_experts optional, MoE policies with routing replay: the experts vLLM routed each token
+                   to, [tokens, layers, k] (rft/trainer/routing_replay.py); absent in older shards
 
 Why rows are whole trajectories with a mask rather than (prompt, response) pairs: a multi-turn
 conversation interleaves sampled and non-sampled tokens, and the trainer must score exactly the
@@ -37,6 +39,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SCHEMA_VERSION = 1
+OPTIONAL_COLUMNS = ("routed_experts",)  # added within version 1: a shard without it reads as None
 _VERSION_KEY = b"rft.experience_schema"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32: larger ones become inf
 
@@ -58,6 +61,8 @@ SCHEMA = pa.schema([
     pa.field("error", pa.string()),
     pa.field("metrics", pa.string(), nullable=False),  # JSON object name -> number (open-ended keys)
     pa.field("response", pa.string(), nullable=False),
+    pa.field("routed_experts", pa.struct([("layers", pa.int32()), ("topk", pa.int32()),
+                                          ("ids", pa.list_(pa.uint16()))])),
 ], metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
@@ -83,6 +88,7 @@ class Experience:
     error: str | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     response: str = ""  # the text the reward function reads (last model turn, or an env's answer)
+    routed_experts: np.ndarray | None = None  # [tokens, layers, k]: vLLM's routing, to replay
 
     def check(self) -> None:
         """ValueError naming what is inconsistent (a workflow's bug, caught before the buffer)."""
@@ -125,6 +131,8 @@ def to_table(experiences: list[Experience]) -> pa.Table:
         for f in fields(Experience):
             columns[f.name].append(getattr(exp, f.name))
     columns["metrics"] = [json.dumps(m, sort_keys=True) for m in columns["metrics"]]
+    columns["routed_experts"] = [None if r is None else {"layers": r.shape[1], "topk": r.shape[2], "ids": r.reshape(-1)}
+                                 for r in columns["routed_experts"]]
     arrays = {}
     for name in SCHEMA.names:
         try:
@@ -141,12 +149,14 @@ def check_table(table: pa.Table, where: str) -> None:
         found = "no rft experience schema" if version is None else f"experience schema {int(version)}"
         raise ValueError(f"{where} has {found}; this rft reads schema {SCHEMA_VERSION}: it was written by "
                          "another rft version (train it with that version, or produce it again)")
-    missing = [name for name in SCHEMA.names if name not in table.column_names]
+    missing = [name for name in SCHEMA.names if name not in table.column_names and name not in OPTIONAL_COLUMNS]
     if missing:
         raise ValueError(f"{where} lacks experience columns {missing}")
     # A shard written by other code (or corrupted) with the right version tag must not be misread:
     # from_table would hand the trainer strings for rewards, or token_ids and masks of other lengths.
     for want in SCHEMA:
+        if want.name not in table.column_names:
+            continue
         column = table.column(want.name)
         if column.type != want.type:
             raise ValueError(f"{where}: experience column {want.name!r} has type {column.type}, expected {want.type}")
@@ -170,8 +180,24 @@ def check_table(table: pa.Table, where: str) -> None:
 def from_table(table: pa.Table) -> list[Experience]:
     """The experiences of a shard (columns other than SCHEMA's, such as the writer's `step`, ignored)."""
     check_table(table, "experience table")
-    names = [f.name for f in fields(Experience)]
+    names = [f.name for f in fields(Experience) if f.name not in OPTIONAL_COLUMNS]
     rows = table.select(names).to_pylist()
-    for row in rows:
+    routes = _routed_experts(table)
+    for row, routed in zip(rows, routes):
         row["metrics"] = json.loads(row["metrics"])
+        row["routed_experts"] = routed
     return [Experience(**row) for row in rows]
+
+
+def _routed_experts(table: pa.Table) -> list[np.ndarray | None]:
+    """Each row's routed experts as a [tokens, layers, k] array, read through numpy: a row holds
+    tokens x layers x k of them, too many for Python lists."""
+    if "routed_experts" not in table.column_names:
+        return [None] * table.num_rows
+    column = table.column("routed_experts").combine_chunks()
+    layers, topk, ids = column.flatten()  # children with the column's offset applied (a sliced table)
+    offsets, values = ids.offsets.to_numpy(), ids.values.to_numpy(zero_copy_only=False)
+    layers, topk = layers.to_numpy(zero_copy_only=False), topk.to_numpy(zero_copy_only=False)
+    valid = column.is_valid().to_numpy(zero_copy_only=False)
+    return [values[offsets[i]: offsets[i + 1]].reshape(-1, int(layers[i]), int(topk[i])) if valid[i] else None
+            for i in range(table.num_rows)]

@@ -20,6 +20,7 @@ import dataclasses
 import hashlib
 from collections.abc import Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from rft.buffer.experience import Experience, to_table
@@ -77,8 +78,16 @@ def review(experiences: list[Experience], when: Sequence[str] = ("flagged",), fl
             "id": group_id, "step": ctx.step, "reason": reason, "task_id": first.task_id,
             "prompt": ctx.decode(first.token_ids[: first.prompt_length]),
             "responses": [{"text": e.response, "reward": float(e.reward), "metrics": e.metrics} for e in rows],
-            "experiences": [dataclasses.asdict(e) for e in rows]})
+            "experiences": [_as_json(e) for e in rows]})
     return experiences if keep else [e for e in experiences if e.group_id not in routed]
+
+
+def _as_json(e: Experience) -> dict:
+    """An experience as a review item stores it (JSON: routed experts as nested lists)."""
+    row = dataclasses.asdict(e)
+    if e.routed_experts is not None:
+        row["routed_experts"] = e.routed_experts.tolist()
+    return row
 
 
 class ReviewIntake:
@@ -103,6 +112,8 @@ class ReviewIntake:
             scores = given[group["id"]]["scores"]
             for score, row in zip(scores, group["experiences"]):
                 e = Experience(**row)
+                if e.routed_experts is not None:  # JSON holds it as nested lists
+                    e.routed_experts = np.asarray(e.routed_experts, dtype=np.uint16)
                 rows.append(dataclasses.replace(e, reward=float(score)) if score is not None else e)
             self.trained.append(group["id"])
         scalars = {"review/groups": float(len(fresh)), "review/rows": float(len(rows)),

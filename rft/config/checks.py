@@ -29,6 +29,7 @@ from rft.config.model import context_length, hf_config_json
 from rft.config.run import RFTConfig
 from rft.config.trainer import LORA_TARGETS
 
+ROUTING_REPLAY_MODES = ("none", "rollout")  # trainer.routing_replay (rft/trainer/routing_replay.py)
 RECOMPUTE_MODES = ("none", "selective", "full")  # trainer.recompute (rft/trainer/model.py)
 TRANSFORMER_IMPLS = ("auto", "local", "transformer_engine")  # trainer.transformer_impl (rft/trainer/layer_spec.py)
 # what build_gpt_model builds once for the whole run: a stage may not change them
@@ -94,6 +95,14 @@ def _check_experts(cfg: RFTConfig, experts: int) -> None:
                      f"trainer.pipeline_parallel_size = TP {tp} x DP {stage_ranks // max(tp, 1)})")
     if trainer.moe_aux_loss_coeff is not None and trainer.moe_aux_loss_coeff < 0:
         config_error("trainer.moe_aux_loss_coeff", trainer.moe_aux_loss_coeff, "use 0 (off) or more, or null")
+    if trainer.routing_replay not in ROUTING_REPLAY_MODES:
+        config_error("trainer.routing_replay", trainer.routing_replay, f"choose one of {ROUTING_REPLAY_MODES}")
+    if trainer.routing_replay == "rollout" and not experts:
+        config_error("trainer.routing_replay", "rollout",
+                     f"model.path={cfg.model.path!r} has no experts to route: use none")
+    if trainer.routing_replay == "rollout" and trainer.recompute == "full":
+        config_error("trainer.routing_replay", "rollout", "trainer.recompute=full re-runs the routers in backward, "
+                     "after the replayed routes are released: use recompute=none or selective")
     if experts:
         for name, stage in stage_configs(cfg):
             prefix = f"stages[{name}]." if cfg.stages else ""

@@ -31,6 +31,7 @@ class TrainerConfig:
     virtual_pipeline_stages: int = 1  # >1 (with PP >= 2): model chunks per stage, Megatron's interleaved 1F1B
     expert_parallel_size: int = 1  # MoE models: ranks that split each layer's experts (of the TP x DP ranks of a stage)
     moe_aux_loss_coeff: Optional[float] = None  # MoE: load-balancing loss weight (None: the model's router_aux_loss_coef)
+    routing_replay: str = "none"  # MoE: none | rollout (routers take the experts vLLM chose per token, R3; GPU rollout)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
     threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
     save_interval: int = 0  # also checkpoint every N global steps (0: by time and on Slurm's time-limit signal only)

@@ -57,7 +57,8 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
     # one engine per rank; the job's engines share each step's tasks (rft/explorer/dealer.py)
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + topology.rank, topology.context_length,
                              name=f"engine {topology.engine_index}", loop=LoopThread(),
-                             max_lora_rank=vllm_lora_rank(cfg))]
+                             max_lora_rank=vllm_lora_rank(cfg),
+                             return_routed_experts=cfg.trainer.routing_replay == "rollout")]
     stop.install()
     judges = _connect_judges(cfg, topology, group) if topology.judge_ranks else None
     runtime = Runtime(cfg, topology, group, stop, resume, f"rollout{topology.rank}")

@@ -96,6 +96,7 @@ class Conversation:
         self.turns = 0
         self.last: Completion | None = None
         self.finish_reason = ""
+        self.routed_experts = None  # the last turn's routing (MoE routing replay), [tokens, layers, k]
 
     @property
     def room(self) -> int:
@@ -123,6 +124,8 @@ class Conversation:
         return branches
 
     def _append(self, turn: Completion) -> None:
+        if turn.routed_experts is not None:  # covers the whole conversation before this turn too
+            self.routed_experts = turn.routed_experts
         self.token_ids += turn.token_ids
         self.loss_mask += [1] * len(turn.token_ids)
         self.logprobs += turn.logprobs
@@ -149,4 +152,4 @@ class Conversation:
         fields.setdefault("finish_reason", self.finish_reason)
         return Experience(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask),
                           logprobs=list(self.logprobs), prompt_length=self.prompt_length, reward=reward,
-                          turns=self.turns, **fields)
+                          turns=self.turns, routed_experts=self.routed_experts, **fields)

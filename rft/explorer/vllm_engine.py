@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 from rft.config import ModelConfig, RolloutConfig
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from rft.weights.engines import SyncLayout
 
 T = TypeVar("T")
@@ -226,7 +228,7 @@ class RolloutEngine:
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int,
                  name: str = "engine 0", loop: LoopThread | None = None, runner: str = "generate",
-                 max_lora_rank: int = 0):
+                 max_lora_rank: int = 0, return_routed_experts: bool = False):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         # Fold the TP=1 worker into the engine core process: one process less, and weight loads and
         # generation need no extra hop.
@@ -252,6 +254,13 @@ class RolloutEngine:
                       enable_prefix_caching=True, disable_log_stats=True, runner=runner)
         if max_lora_rank:  # one adapter at a time: the newest version the trainer sent
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if return_routed_experts:  # MoE routing replay (trainer.routing_replay=rollout)
+            if not torch.cuda.is_available():
+                raise ValueError("trainer.routing_replay=rollout: vLLM 0.32 returns the routed experts only on "
+                                 "GPUs (through its Model Runner V2, which needs Triton on a GPU), and this "
+                                 f"rollout rank ({name}) has none; use trainer.routing_replay=none on CPU")
+            os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
+            kwargs["enable_return_routed_experts"] = True
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
         else:
@@ -293,7 +302,8 @@ class RolloutEngine:
                 final = out
         return [Completion(token_ids=list(c.token_ids),
                            logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
-                           text=c.text, finish_reason=c.finish_reason or "length")
+                           text=c.text, finish_reason=c.finish_reason or "length",
+                           routed_experts=getattr(c, "routed_experts", None))
                 for c in final.outputs]
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
@@ -422,3 +432,6 @@ class Completion:
     logprobs: list[float]
     text: str
     finish_reason: str
+    # with routed experts returned: [prompt + sampled tokens run through the model, layers, k],
+    # the experts vLLM routed each to (its last sampled token never ran through it)
+    routed_experts: np.ndarray | None = None

@@ -21,11 +21,14 @@ from rft.runtime.topology import Topology
 from rft.trainer.train_step import StepBatch
 
 
-def experience_batch(table) -> tuple[StepBatch, dict[str, float]]:
+def experience_batch(table, replay_routes: bool = False) -> tuple[StepBatch, dict[str, float]]:
     """A policy-gradient batch (advantages are computed in the step) from a shard's experience
-    rows, and reward/length statistics."""
+    rows, and reward/length statistics. `replay_routes` (trainer.routing_replay=rollout): with
+    the rows' routed experts, which every forward of the step replays."""
     experiences = from_table(table)
     batch = StepBatch.from_experiences(experiences)
+    if replay_routes:
+        batch.with_expert_routes(experiences)
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
     lengths = torch.tensor([e.sampled_tokens for e in experiences], dtype=torch.float32)
     stats = {"reward/mean": float(rewards.mean()), "reward/std": float(rewards.std()) if len(rewards) > 1 else 0.0,

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from rft.trainer.routing_replay import microbatch_routes, replaying
+
 
 @dataclass
 class Microbatch:
@@ -36,6 +38,9 @@ class Microbatch:
     # positions (row-major over input_ids) that predict a response token, whatever its loss mask:
     # the only logits a policy's loss, old logprobs or reference logprobs read
     response_targets: torch.Tensor | None = None
+    # routing replay: the experts each token goes to, [layers, tokens, k] in the routers' order
+    # (rft/trainer/routing_replay.py); None: the routers choose
+    expert_routes: torch.Tensor | None = None
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per-target values [b, s-1] of the model's layout in the padded layout (0 on padding)."""
@@ -70,9 +75,19 @@ def sequence_multiple(model) -> int:
 
 def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                     device: torch.device, response_masks: list[list[int]] | None = None,
-                    packed: bool = False, multiple_of: int = 1) -> Microbatch:
+                    packed: bool = False, multiple_of: int = 1, routes: list | None = None) -> Microbatch:
     """Prompt + response per sequence, right-padded (or, `packed`, back to back in one row), the
-    row's length padded up to `multiple_of` (`sequence_multiple`)."""
+    row's length padded up to `multiple_of` (`sequence_multiple`). `routes`: each sequence's
+    routed experts [tokens, layers, k] to replay (routing_replay.py)."""
+    mb = _laid_out(prompts, responses, pad_id, device, response_masks, packed, multiple_of)
+    if routes is not None:
+        mb.expert_routes = microbatch_routes(routes, [len(p) + len(r) for p, r in zip(prompts, responses)],
+                                             mb.input_ids.shape[1], packed, device)
+    return mb
+
+
+def _laid_out(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device,
+              response_masks: list[list[int]] | None, packed: bool, multiple_of: int) -> Microbatch:
     lengths = [len(p) + len(r) for p, r in zip(prompts, responses)]
     width = max(lengths) if packed else _round_up(max(lengths), multiple_of)  # of the padded layout
     mask = _loss_mask(prompts, responses, width, response_masks).to(device)
@@ -208,7 +223,7 @@ def model_forward(model, mb: Microbatch, response_only: bool = False) -> torch.T
     """
     from megatron.core import parallel_state
 
-    with _output_layer_at(model, mb.response_targets if response_only else None):
+    with _output_layer_at(model, mb.response_targets if response_only else None), replaying(model, mb.expert_routes):
         # attention is causal by construction (rft/trainer/attention.py): no mask to build or pass
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                     packed_seq_params=mb.packed_seq_params)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from rft.models.families import rope_frequencies
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
-from rft.trainer.moe import moe_config
+from rft.trainer.moe import forget_replay_registry, moe_config
 from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,6 +216,8 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
             chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)
         _mark_tensor_parallel_shards(chunk)
         chunks.append(chunk.cuda() if on_gpu else chunk)
+    if geo.num_experts:
+        forget_replay_registry()
     return (chunks[0] if vpp == 1 else VirtualStages(chunks)), geo
 
 

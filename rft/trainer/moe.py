@@ -49,6 +49,7 @@ def moe_config(geo: Geometry, aux_loss_coeff: float, expert_parallel: int, trans
         moe_grouped_gemm=transformer_impl == "transformer_engine",
         expert_model_parallel_size=expert_parallel,
         expert_tensor_parallel_size=1,
+        moe_enable_routing_replay=True,  # idle unless a forward replays routes (rft/trainer/routing_replay.py)
     )
 
 
@@ -60,6 +61,15 @@ def allow_moe_without_transformer_engine() -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
+
+
+def forget_replay_registry() -> None:
+    """megatron-core keeps every router's RouterReplay in a class-wide list, for setters that act
+    on all routers ever built; rft addresses each model's own routers instead. Emptied after a
+    build, so models built and dropped (a reference, tests) are not kept alive by it."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay
+
+    RouterReplay.clear_global_router_replay_instances()
 
 
 def routers(model) -> list[torch.nn.Module]:

@@ -59,6 +59,8 @@ class StepBatch:
     old_logprobs: list[list[float]] | None = None
     group_ids: list[int] | None = None
     trajectory_ids: list[int] | None = None
+    # routing replay (trainer.routing_replay=rollout): each row's routed experts [tokens, layers, k]
+    expert_routes: list | None = None
 
     @classmethod
     def from_experiences(cls, experiences: list) -> "StepBatch":
@@ -73,6 +75,16 @@ class StepBatch:
                    old_logprobs=[e.logprobs[p:] for e, p in zip(experiences, cut)],
                    group_ids=group_index([e.group_id for e in experiences]).tolist(),
                    trajectory_ids=group_index([e.trajectory_id or i for i, e in enumerate(experiences)]).tolist())
+
+    def with_expert_routes(self, experiences: list) -> "StepBatch":
+        """This batch with the rows' routed experts to replay (trainer.routing_replay=rollout)."""
+        missing = [e.trajectory_id or str(i) for i, e in enumerate(experiences) if e.routed_experts is None]
+        if missing:
+            raise ValueError(f"trainer.routing_replay=rollout: {len(missing)} experience row(s) carry no routed "
+                             f"experts (trajectory {missing[0]}); rows must come from vLLM generations with "
+                             "routing returned (written by this run's explorer)")
+        self.expert_routes = [e.routed_experts for e in experiences]
+        return self
 
     def mask_of(self, i: int) -> list[int]:
         """Row i's response mask (all ones for reference answers)."""
@@ -229,8 +241,10 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
         return microbatches(rows, lengths, micro_batch_size, max_tokens_per_microbatch)
 
     def pack(idx_chunks):
+        routes = batch.expert_routes
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
-                                pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model))
+                                pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model),
+                                [routes[i] for i in idx] if routes is not None else None)
                 for idx in idx_chunks]
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0

@@ -235,7 +235,7 @@ class Learner:
             rows = self.reader.next_table(self.runtime.progress.global_step)
             waited, io_s = rows.waited_s, rows.io_s
             start = time.time()  # preparing the batch counts as training
-            batch, scalars = experience_batch(rows.table)
+            batch, scalars = experience_batch(rows.table, replay_routes=trainer.routing_replay == "rollout")
             algo, drop = self._staleness(rows, scalars)
             scalars.update({"timing/wait_s": waited, **rows.scalars})
             if self.reader.corrupt:  # shards quarantined for a bad checksum and written again (or skipped)

@@ -240,6 +240,9 @@ def test_a_model_the_trainer_cannot_build_is_refused_at_launch(tmp_path, change,
      "must divide the 2 trainer ranks of a pipeline stage"),
     (["trainer.moe_aux_loss_coeff=-1"], "trainer.moe_aux_loss_coeff", "use 0"),
     (["+stages.1.trainer.lora.rank=8"], "stages[grpo].trainer.lora.rank", "not supported on mixture-of-experts"),
+    (["trainer.routing_replay=trainer"], "trainer.routing_replay", "choose one of ('none', 'rollout')"),
+    (["trainer.routing_replay=rollout", "trainer.recompute=full"], "trainer.routing_replay",
+     "recompute=none or selective"),
 ])
 def test_expert_parallelism_that_cannot_split_the_experts_is_refused_naming_the_key(tmp_path, overrides, key, says):
     """A Qwen3-MoE model with 4 experts on 2 trainer ranks: EP 2 is accepted; EP on a dense model,
@@ -250,7 +253,7 @@ def test_expert_parallelism_that_cannot_split_the_experts_is_refused_naming_the_
     moe = {"model_type": "qwen3_moe", "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
            "hidden_size": 128, "max_position_embeddings": 128, "num_experts": 4, "num_experts_per_tok": 2}
     base = ("+experiment=quickstart", f"run.output_dir={tmp_path}", "cluster.trainer_ranks=2")
-    cfg = compose_cfg(*base, "trainer.expert_parallel_size=2")
+    cfg = compose_cfg(*base, "trainer.expert_parallel_size=2", "trainer.routing_replay=rollout")
     cfg.model.tiny, cfg.model.path = None, str(tmp_path / "model")
     os.makedirs(cfg.model.path)
     with open(os.path.join(cfg.model.path, "config.json"), "w") as f:
@@ -266,3 +269,7 @@ def test_expert_parallelism_that_cannot_split_the_experts_is_refused_naming_the_
     with pytest.raises(ValueError, match="trainer.expert_parallel_size") as err:
         validate(cfg)
     assert "has no experts to split" in str(err.value)
+    cfg.trainer.expert_parallel_size = 1
+    with pytest.raises(ValueError, match="trainer.routing_replay") as err:
+        validate(cfg)
+    assert "has no experts to route" in str(err.value)

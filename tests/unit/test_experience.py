@@ -33,6 +33,29 @@ def test_a_shard_of_experience_reads_back_equal(tmp_path):
     assert from_table(claim.table) == experiences
 
 
+def test_routed_experts_round_trip_through_a_shard_and_older_shards_read_without_them(tmp_path):
+    """MoE routing replay's column: [tokens, layers, k] per row or null, read back through numpy
+    from a claimed shard (whose rows are a slice of what the buffer holds); a shard written
+    before the column existed reads as rows without routes."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    experiences = [two_turns(1.0, "g0", f"g0:{i}") for i in range(3)]
+    experiences[0].routed_experts = rng.integers(0, 300, size=(6, 4, 2), dtype=np.uint16)
+    experiences[2].routed_experts = rng.integers(0, 8, size=(5, 4, 2), dtype=np.uint16)
+    table = to_table(experiences)
+    buffer = ExperienceBuffer(str(tmp_path))
+    buffer.write(table.slice(1), step=1, producer=1, version=3)
+    buffer.write(table, step=2, producer=1, version=3)
+    for rows in ([1, 2], [0, 1, 2]):  # the shards in the order written
+        read = from_table(buffer.claim(consumer=0, timeout_s=5).table)
+        for got, i in zip(read, rows):
+            want = experiences[i].routed_experts
+            assert (got.routed_experts is None) if want is None else np.array_equal(got.routed_experts, want)
+    older = from_table(table.drop_columns(["routed_experts"]))
+    assert [e.routed_experts for e in older] == [None] * 3 and older[1] == experiences[1]
+
+
 def test_another_schema_version_is_refused_with_a_message():
     table = to_table([two_turns(1.0, "g", "g:0")])
     old = table.replace_schema_metadata({b"rft.experience_schema": b"0"})
@@ -82,3 +105,19 @@ def test_step_wise_rows_share_their_trajectory_advantage():
     a, b = 1 / (2 ** 0.5 + 1e-6), -1 / (2 ** 0.5 + 1e-6)  # (r - 0.5) / std([1, 0]) with eps
     expected = torch.tensor([[a, a, 0.0, a]] * 3 + [[b, b, 0.0, b]])
     torch.testing.assert_close(out.advantages, expected)
+
+
+def test_routing_replay_batches_carry_each_rows_routes_or_name_the_missing_row():
+    import numpy as np
+
+    from rft.trainer.batches import experience_batch
+
+    rows = [two_turns(1.0, "g0", "g0:0"), two_turns(0.0, "g0", "g0:1")]
+    rows[0].routed_experts = np.full((5, 3, 2), 7, dtype=np.uint16)
+    with pytest.raises(ValueError, match="trainer.routing_replay=rollout: 1 experience row") as err:
+        experience_batch(to_table(rows), replay_routes=True)
+    assert "trajectory g0:1" in str(err.value)
+    assert experience_batch(to_table(rows))[0].expert_routes is None  # replay off: routes are not read
+    rows[1].routed_experts = np.zeros((5, 3, 2), dtype=np.uint16)
+    batch, _ = experience_batch(to_table(rows), replay_routes=True)
+    assert [r.tolist() for r in batch.expert_routes] == [r.routed_experts.tolist() for r in rows]

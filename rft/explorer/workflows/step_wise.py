@@ -38,5 +38,6 @@ async def step_wise(task: Task, model: ModelClient, ctx: WorkflowContext) -> lis
                                 logprobs=[0.0] * start + whole.logprobs[start:stop], prompt_length=start,
                                 reward=whole.reward, step_rewards=episode.step_rewards, step_index=index,
                                 turns=index + 1, tool_calls=whole.tool_calls, finish_reason=whole.finish_reason,
-                                metrics=whole.metrics, response=whole.response))
+                                metrics=whole.metrics, response=whole.response,
+                                routed_experts=None if whole.routed_experts is None else whole.routed_experts[:stop]))
     return steps

@@ -17,6 +17,16 @@
 # machine's count, at least 4, so a 2-task job and a 2-job array fit; slurmd is told to accept
 # the difference) and one partition, `debug`. RFT_SLURM_GPUS=N (default 0) also gives it N GPUs
 # (gres/gpu on stand-in device files: no real GPU), for sinfo %G and --gpus-per-node jobs.
+#
+# RFT_SLURM_NODES=N (N > 1, root): N nodes on this machine, each a network namespace of its own
+# (rft-<name>-nodeK) joined to a bridge by a veth pair: node K has address $RFT_SLURM_NET.(10+K)
+# (RFT_SLURM_NET defaults to 10.213.0; the bridge holds .1, where slurmctld listens) and its own
+# hostname (a UTS namespace), and runs its own slurmd. Jobs, srun steps and every rank then see
+# their node's address and name, as on a cluster; the filesystem is the host's, shared by all.
+# Node names are not added to /etc/hosts (on clusters they often resolve to another network).
+# Each node advertises RFT_SLURM_CPUS CPUs (default: this machine's count over N, at least 4).
+# `stop` also removes the namespaces, links and bridge. Without root or network namespaces,
+# `start` exits with status 3 and says why.
 set -euo pipefail
 DIR=${RFT_SLURM_DIR:-/tmp/rft-slurm}
 CPUS=${RFT_SLURM_CPUS:-$(( $(nproc) > 4 ? $(nproc) : 4 ))}
@@ -24,6 +34,15 @@ DBD_PORT=${RFT_SLURMDBD_PORT:-6819}
 DB_PORT=${RFT_SLURM_DB_PORT:-3307}
 ACCOUNTING=${RFT_SLURM_ACCOUNTING:-1}
 GPUS=${RFT_SLURM_GPUS:-0}
+NODES=${RFT_SLURM_NODES:-1}
+NET=${RFT_SLURM_NET:-10.213.0}
+# namespaces, links and the bridge carry this instance's name, so a second instance keeps its own
+TAG=$(basename "$DIR" | tr -cd 'a-z0-9' | tail -c 6)
+BRIDGE=rftbr-$TAG
+case $NODES in ''|*[!0-9]*|0) echo "RFT_SLURM_NODES must be a number of 1 or more, not '$NODES'" >&2; exit 1;; esac
+if [ "$NODES" -gt 1 ]; then
+    CPUS=${RFT_SLURM_CPUS:-$(( $(nproc) / NODES > 4 ? $(nproc) / NODES : 4 ))}
+fi
 
 install() {
     local want="slurm-wlm"
@@ -73,13 +92,15 @@ start_accounting() {
 }
 
 start() {
+    if [ "$NODES" -gt 1 ]; then can_make_nodes; fi
     mkdir -p "$DIR/state" "$DIR/spool" "$DIR/log"
     local mem; mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
     # RFT_SLURM_GPUS: GresTypes and Gres= on the node line, or nothing at all (the default config
     # stays as it was), and gres.conf beside slurm.conf (slurmd reads it there). slurmd drops a
     # gpu without File=, so each names a stand-in for /dev/null here (a character device, so that
     # jobs get CUDA_VISIBLE_DEVICES as on a GPU node; a plain file if mknod is denied: none then)
-    local gres_types="" node_gres="" i
+    local gres_types="" node_gres="" i gres_nodes=localhost
+    if [ "$NODES" -gt 1 ]; then gres_nodes="node[1-$NODES]"; fi
     case $GPUS in ''|*[!0-9]*) echo "RFT_SLURM_GPUS must be a number, not '$GPUS'" >&2; exit 1;; esac
     rm -rf "$DIR/gres.conf" "$DIR/gpu"
     if [ "$GPUS" -gt 0 ]; then
@@ -88,12 +109,24 @@ start() {
         echo "AutoDetect=off" > "$DIR/gres.conf"
         for (( i = 0; i < GPUS; i++ )); do
             mknod "$DIR/gpu/gpu$i" c 1 3 2>/dev/null || : > "$DIR/gpu/gpu$i"
-            echo "NodeName=localhost Name=gpu File=$DIR/gpu/gpu$i" >> "$DIR/gres.conf"
+            echo "NodeName=$gres_nodes Name=gpu File=$DIR/gpu/gpu$i" >> "$DIR/gres.conf"
+        done
+    fi
+    local ctld_host=localhost node_lines partition_nodes=localhost pid_file=$DIR/slurmd.pid
+    local spool=$DIR/spool log_file=$DIR/log/slurmd.log
+    node_lines="NodeName=localhost NodeHostname=localhost CPUs=$CPUS RealMemory=$mem$node_gres State=UNKNOWN"
+    if [ "$NODES" -gt 1 ]; then
+        # slurmctld accepts only its host's own name, given the bridge address the nodes reach;
+        # per-node pid, spool and log files (one shared pid file: each slurmd stops the one before)
+        ctld_host="$(hostname)($NET.1)" partition_nodes="node[1-$NODES]" node_lines=""
+        pid_file=$DIR/slurmd-%n.pid spool=$DIR/spool-%n log_file=$DIR/log/slurmd-%n.log
+        for (( i = 1; i <= NODES; i++ )); do
+            node_lines+="NodeName=node$i NodeAddr=$NET.$(( 10 + i )) NodeHostname=node$i CPUs=$CPUS RealMemory=$(( mem / NODES ))$node_gres State=UNKNOWN"$'\n'
         done
     fi
     cat > "$DIR/slurm.conf" <<EOF
-ClusterName=rftlocal
-SlurmctldHost=localhost
+ClusterName=${RFT_SLURM_CLUSTER:-rftlocal}
+SlurmctldHost=$ctld_host
 SlurmUser=$(id -un)
 SlurmdUser=root
 AuthType=auth/none
@@ -108,11 +141,11 @@ ReturnToService=2
 SlurmctldPort=${RFT_SLURMCTLD_PORT:-6817}
 SlurmdPort=${RFT_SLURMD_PORT:-6818}
 SlurmctldPidFile=$DIR/slurmctld.pid
-SlurmdPidFile=$DIR/slurmd.pid
+SlurmdPidFile=$pid_file
 StateSaveLocation=$DIR/state
-SlurmdSpoolDir=$DIR/spool
+SlurmdSpoolDir=$spool
 SlurmctldLogFile=$DIR/log/slurmctld.log
-SlurmdLogFile=$DIR/log/slurmd.log
+SlurmdLogFile=$log_file
 JobAcctGatherType=jobacct_gather/none
 $(if [ "$ACCOUNTING" = 1 ]; then
     printf 'AccountingStorageType=accounting_storage/slurmdbd\nAccountingStorageHost=localhost\nAccountingStoragePort=%s\n' "$DBD_PORT"
@@ -124,19 +157,64 @@ KillWait=5
 # a requeued job may start again after the credential lifetime (default 120 s); tests requeue
 AuthInfo=cred_expire=10
 MinJobAge=300
-${gres_types}NodeName=localhost NodeHostname=localhost CPUs=$CPUS RealMemory=$mem$node_gres State=UNKNOWN
-PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+${gres_types}${node_lines}
+PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF="$DIR/slurm.conf"
     if [ "$ACCOUNTING" = 1 ]; then start_accounting; fi
     slurmctld -f "$SLURM_CONF"
-    slurmd -f "$SLURM_CONF" -N localhost
+    if [ "$NODES" -gt 1 ]; then
+        start_nodes
+    else
+        slurmd -f "$SLURM_CONF" -N localhost
+    fi
     for _ in $(seq 100); do
-        if sinfo -h -o %T 2>/dev/null | grep -qE '^(idle|mixed|allocated)'; then
-            echo "Slurm is up: export SLURM_CONF=$SLURM_CONF"; return; fi
+        if [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$NODES" ]; then
+            echo "Slurm is up ($NODES node(s)): export SLURM_CONF=$SLURM_CONF"; return; fi
         sleep 0.2
     done
     echo "Slurm did not come up; logs in $DIR/log" >&2; exit 1
+}
+
+can_make_nodes() {  # root and network namespaces, or say why not (exit 3: tests skip on it)
+    if [ "$(id -u)" != 0 ]; then echo "RFT_SLURM_NODES=$NODES needs root (network namespaces, a bridge)" >&2; exit 3; fi
+    if ! ip netns add "rft-$TAG-probe" 2>/dev/null; then
+        echo "RFT_SLURM_NODES=$NODES: this machine does not allow network namespaces (ip netns add failed)" >&2; exit 3
+    fi
+    ip netns del "rft-$TAG-probe"
+}
+
+start_nodes() {  # a bridge on $NET.1, node K in namespace rft-$TAG-nodeK at $NET.(10+K), its slurmd
+    local i ns
+    ip link show "$BRIDGE" >/dev/null 2>&1 || ip link add "$BRIDGE" type bridge
+    ip addr replace "$NET.1/24" dev "$BRIDGE"
+    ip link set "$BRIDGE" up
+    for (( i = 1; i <= NODES; i++ )); do
+        ns=rft-$TAG-node$i
+        ip netns list | grep -qw "$ns" || ip netns add "$ns"
+        if ! ip link show "rft$TAG$i" >/dev/null 2>&1; then
+            ip link add "rft$TAG$i" type veth peer name eth0 netns "$ns"
+        fi
+        ip link set "rft$TAG$i" master "$BRIDGE" up
+        ip -n "$ns" addr replace "$NET.$(( 10 + i ))/24" dev eth0
+        ip -n "$ns" link set lo up
+        ip -n "$ns" link set eth0 up
+        ip -n "$ns" route replace default via "$NET.1"
+        # nsenter, not `ip netns exec`: that remounts /sys and slurmd then finds no cgroup fs.
+        # A UTS namespace gives the node its own hostname.
+        nsenter --net="/var/run/netns/$ns" unshare --uts sh -c "hostname node$i && exec slurmd -f '$SLURM_CONF' -N node$i"
+    done
+}
+
+stop_nodes() {  # what runs in the namespaces, then the namespaces, links and bridge
+    local ns pids
+    for ns in $(ip netns list 2>/dev/null | awk '{print $1}' | grep "^rft-$TAG-node" || true); do
+        pids=$(ip netns pids "$ns" 2>/dev/null || true)
+        # shellcheck disable=SC2086
+        if [ -n "$pids" ]; then kill -KILL $pids 2>/dev/null || true; fi
+        ip netns del "$ns" 2>/dev/null || true
+    done
+    ip link del "$BRIDGE" 2>/dev/null || true
 }
 
 ours() {  # ours <process name>: pids of those started for this $DIR, found by their environment.
@@ -207,6 +285,7 @@ stop_accounting() {  # after slurmctld, which reports to slurmdbd until it stops
 stop() {
     stop_slurm
     stop_accounting
+    if [ "$NODES" -gt 1 ]; then stop_nodes; fi
 }
 
 "${1:-start}"

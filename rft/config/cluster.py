@@ -27,6 +27,7 @@ class ClusterConfig:
     judge_ranks: int = 0  # ranks [T+R, T+R+J) serve frozen judge engines (rft/explorer/judge.py; 0: none)
     timeout_min: int = 240  # wall-clock limit of the job
     master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
+    rendezvous_addr: Optional[str] = None  # slurm: where ranks reach rank 0 (None: the first node's Slurm NodeAddr)
     wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)
     partition: Optional[str] = None  # slurm partition (checked with sinfo before submit)
     account: Optional[str] = None  # slurm account to charge

@@ -16,13 +16,13 @@ from __future__ import annotations
 import datetime
 import os
 import secrets
-import socket
 import time
 from dataclasses import replace
 
 from rft.config import RFTConfig, RolloutConfig, context_length
 from rft.explorer.judge import JudgeEndpoint
 from rft.runtime.preemption import control_store
+from rft.runtime.rendezvous import host_address
 from rft.runtime.topology import Topology, engine_devices, free_port
 
 
@@ -44,7 +44,9 @@ def run_judge(cfg: RFTConfig, topology: Topology, poll_s: float = 2.0) -> dict:
     runner = "pooling" if cfg.judge.kind == "classify" else "generate"  # a reward model scores, never samples
     engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}",
                            runner=runner)
-    host = "127.0.0.1" if cfg.cluster.kind == "local" else socket.gethostname()
+    # served at this node's address on the network the job meets on: its host name may not
+    # resolve on the other nodes, or resolve to a loopback address here
+    host = "127.0.0.1" if cfg.cluster.kind == "local" else host_address(topology.master_addr)
     endpoint = OpenAIEndpoint(engine, host, free_port(), secrets.token_urlsafe(32), served_name="judge")
     endpoint.start()
     store = control_store(topology, datetime.timedelta(seconds=cfg.sync.timeout_s))

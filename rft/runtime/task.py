@@ -121,6 +121,7 @@ def _rank_setup(config: dict, master_port: int):
 
 
 def _rank_main(config: dict, master_port: int) -> dict:
+    from rft.runtime.rendezvous import host_address, this_node, wait_until_reachable
     from rft.runtime.topology import engine_devices, init_trainer_group
 
     cfg, topology = _rank_setup(config, master_port)
@@ -134,7 +135,11 @@ def _rank_main(config: dict, master_port: int) -> dict:
     from rft.runtime.pulse import start_pulse
 
     start_pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
-    print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank})", flush=True)
+    print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank}) on "
+          f"{this_node()} ({host_address(topology.master_addr)}), rank 0 at {topology.master_addr}:{topology.master_port}",
+          flush=True)
+    if topology.rank != 0 and topology.master_node:  # fail in seconds, not sync.timeout_s, if it is unreachable
+        wait_until_reachable(topology.master_addr, topology.master_port + 2, topology.master_node)
     import torch
 
     # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe

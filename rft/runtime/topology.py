@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rft.config import ClusterConfig, RFTConfig, context_length, judge_span
+from rft.runtime.rendezvous import bind_gloo_towards, rendezvous_address
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class Topology:
     judge_span: int = 1  # tasks one judge engine spans
     lose_engines: bool = False  # rollout.on_engine_failure=continue: the run goes on without a lost engine
     context_length: int = 0  # tokens of prompt + response every rank uses (rft.config.context_length)
+    master_node: str = ""  # Slurm: the node rank 0 runs on (for messages); "" on cluster=local
 
     @classmethod
     def of(cls, cfg: RFTConfig, rank: int = 0, master_addr: str = "127.0.0.1", master_port: int = 0) -> Topology:
@@ -64,14 +66,18 @@ class Topology:
 
         env = submitit.JobEnvironment()
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # GPU choice on multi-GPU nodes
+        first_node = ""
         if cfg.cluster.kind == "local":
             addr = "127.0.0.1"
         else:
-            # rank 0 runs on the first node of the allocation; every task derives the same port from
-            # the job id (an array task has its own SLURM_JOB_ID)
-            addr = env.hostnames[0]
+            # rank 0 runs on the first node of the allocation, reached at its cluster address
+            # (rft/runtime/rendezvous.py); every task derives the same port from the job id (an
+            # array task has its own SLURM_JOB_ID)
+            first_node = env.hostnames[0]
+            addr = rendezvous_address(first_node, cfg.cluster.rendezvous_addr)
+            bind_gloo_towards(addr)
             master_port = master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0"))
-        topology = cls.of(cfg, env.global_rank, addr, master_port)
+        topology = replace(cls.of(cfg, env.global_rank, addr, master_port), master_node=first_node)
         if env.num_tasks != topology.world_size:
             raise RuntimeError(f"job has {env.num_tasks} tasks but this mode's trainer + rollout + judge ranks "
                                f"(cluster.trainer_ranks, cluster.rollout_ranks, cluster.judge_ranks) are "

@@ -35,6 +35,7 @@ DB_PORT=${RFT_SLURM_DB_PORT:-3307}
 ACCOUNTING=${RFT_SLURM_ACCOUNTING:-1}
 GPUS=${RFT_SLURM_GPUS:-0}
 NODES=${RFT_SLURM_NODES:-1}
+CLUSTER=${RFT_SLURM_CLUSTER:-rftlocal}  # its name in slurmdbd: a second instance with accounting needs its own
 NET=${RFT_SLURM_NET:-10.213.0}
 # namespaces, links and the bridge carry this instance's name, so a second instance keeps its own
 TAG=$(basename "$DIR" | tr -cd 'a-z0-9' | tail -c 6)
@@ -86,8 +87,8 @@ start_accounting() {
     # slurmdbd takes no config path: it reads slurmdbd.conf beside $SLURM_CONF
     if ! { [ -f "$DIR/slurmdbd.pid" ] && kill -0 "$(cat "$DIR/slurmdbd.pid")" 2>/dev/null; }; then slurmdbd; fi
     wait_for slurmdbd "$DIR/log/slurmdbd.log" sacctmgr -n list cluster
-    if ! sacctmgr -n -P list cluster format=cluster | grep -qx rftlocal; then
-        sacctmgr -i add cluster rftlocal >/dev/null
+    if ! sacctmgr -n -P list cluster format=cluster | grep -qx "$CLUSTER"; then
+        sacctmgr -i add cluster "$CLUSTER" >/dev/null
     fi
 }
 
@@ -125,7 +126,7 @@ start() {
         done
     fi
     cat > "$DIR/slurm.conf" <<EOF
-ClusterName=${RFT_SLURM_CLUSTER:-rftlocal}
+ClusterName=$CLUSTER
 SlurmctldHost=$ctld_host
 SlurmUser=$(id -un)
 SlurmdUser=root

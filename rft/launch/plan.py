@@ -46,6 +46,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
                                    f"model {cfg.model.name})")
     if cfg.mode in ("both", "explore") and r:
         table.add_row("engines", engines_line(cfg))
+    if cfg.cluster.kind == "slurm" and cfg.cluster.nodes > 1:
+        table.add_row("nodes", nodes_line(cfg))
     if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
         first = t + r if cfg.mode == "both" else r
         table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
@@ -73,6 +75,23 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def nodes_line(cfg: RFTConfig) -> str:
+    """Which ranks each node of the allocation runs (Slurm places tasks in blocks, in rank order)."""
+    from rft.launch.slurm import tasks_per_node
+    from rft.runtime.topology import Topology
+
+    per_node, lines = tasks_per_node(cfg), []
+    topology = Topology.of(cfg)
+    for node in range(cfg.cluster.nodes):
+        ranks = list(range(node * per_node, min((node + 1) * per_node, topology.world_size)))
+        if not ranks:
+            break
+        roles = dict.fromkeys(Topology.of(cfg, rank).role for rank in ranks)
+        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
+        lines.append(f"node {node}: {span} ({', '.join(roles)})")
+    return "\n".join(lines) + "\n(rank 0 hosts the rendezvous at the first node's Slurm address)"
 
 
 def engines_line(cfg: RFTConfig) -> str:

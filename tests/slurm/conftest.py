@@ -55,3 +55,28 @@ def gpu_slurm_env():
     subprocess.run(["bash", SCRIPT, "start"], check=True, env={**os.environ, **instance})
     yield {**os.environ, **instance, "SLURM_CONF": os.path.join(slurm_dir, "slurm.conf")}
     subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, **instance})
+
+
+@pytest.fixture(scope="session")
+def two_nodes():
+    """A second Slurm, of two nodes: each a network namespace with its own address (10.213.0.11,
+    10.213.0.12) and hostname (node1, node2) and its own slurmd, on a bridge; accounting on its
+    own slurmdbd and MariaDB. Skips where it cannot run (not root, no network namespaces).
+    Yields the environment a launcher needs to use it; stopped (namespaces removed) at the end."""
+    if any(shutil.which(daemon) is None for daemon in ("slurmctld", "slurmdbd", "mariadbd")):
+        if os.geteuid() != 0:
+            pytest.skip("slurm-wlm, slurmdbd or mariadb-server is not installed and installing needs root")
+        subprocess.run(["bash", SCRIPT, "install"], check=True)
+    slurm_dir = SLURM_DIR + "-nodes"
+    instance = {"RFT_SLURM_DIR": slurm_dir, "RFT_SLURM_NODES": "2", "RFT_SLURM_CLUSTER": "rftnodes",
+                "RFT_SLURMCTLD_PORT": "6837", "RFT_SLURMD_PORT": "6838", "RFT_SLURMDBD_PORT": "6839",
+                "RFT_SLURM_DB_PORT": "3308"}
+    env = {**os.environ, **instance}
+    subprocess.run(["bash", SCRIPT, "stop"], env=env, capture_output=True)  # a leftover of an aborted run
+    shutil.rmtree(os.path.join(slurm_dir, "state"), ignore_errors=True)  # a drained node stays drained
+    started = subprocess.run(["bash", SCRIPT, "start"], env=env, capture_output=True, text=True)
+    if started.returncode == 3:
+        pytest.skip(started.stderr.strip())
+    assert started.returncode == 0, started.stdout + started.stderr
+    yield {**env, "SLURM_CONF": os.path.join(slurm_dir, "slurm.conf")}
+    subprocess.run(["bash", SCRIPT, "stop"], env=env)

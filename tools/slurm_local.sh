@@ -10,7 +10,8 @@
 #   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue/sacct need to find it
 #
 # Ports (override for a second instance): RFT_SLURMCTLD_PORT 6817, RFT_SLURMD_PORT 6818,
-# RFT_SLURMDBD_PORT 6819, RFT_SLURM_DB_PORT 3307 (MariaDB, 127.0.0.1 only).
+# RFT_SLURMDBD_PORT 6819, RFT_SLURM_DB_PORT 3307 (MariaDB, 127.0.0.1 only); with accounting, a second
+# instance also needs its own RFT_SLURM_CLUSTER name (default rftlocal).
 # RFT_SLURM_ACCOUNTING=0 starts without slurmdbd/MariaDB (sacct then says accounting is off).
 #
 # RFT_SLURM_DIR defaults to /tmp/rft-slurm. The node advertises RFT_SLURM_CPUS CPUs (default: this

@@ -66,23 +66,21 @@ class Topology:
 
         env = submitit.JobEnvironment()
         os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # GPU choice on multi-GPU nodes
-        first_node = ""
-        if cfg.cluster.kind == "local":
-            addr = "127.0.0.1"
-        else:
-            # rank 0 runs on the first node of the allocation, reached at its cluster address
-            # (rft/runtime/rendezvous.py); every task derives the same port from the job id (an
-            # array task has its own SLURM_JOB_ID)
-            first_node = env.hostnames[0]
-            addr = rendezvous_address(first_node, cfg.cluster.rendezvous_addr)
-            bind_gloo_towards(addr)
-            master_port = master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0"))
-        topology = replace(cls.of(cfg, env.global_rank, addr, master_port), master_node=first_node)
+        topology = cls.of(cfg, env.global_rank, "127.0.0.1", master_port)
         if env.num_tasks != topology.world_size:
             raise RuntimeError(f"job has {env.num_tasks} tasks but this mode's trainer + rollout + judge ranks "
                                f"(cluster.trainer_ranks, cluster.rollout_ranks, cluster.judge_ranks) are "
                                f"{topology.world_size}")
-        return topology
+        if cfg.cluster.kind == "local":
+            return topology
+        # rank 0 runs on the first node of the allocation, reached at its cluster address
+        # (rft/runtime/rendezvous.py); every task derives the same port from the job id (an array
+        # task has its own SLURM_JOB_ID)
+        first_node = env.hostnames[0]
+        addr = rendezvous_address(first_node, cfg.cluster.rendezvous_addr)
+        bind_gloo_towards(addr)
+        return replace(topology, master_addr=addr, master_node=first_node,
+                       master_port=master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0")))
 
     @property
     def world_size(self) -> int:

@@ -81,3 +81,24 @@ def test_a_rendezvous_at_a_loopback_address_fails_in_seconds_naming_the_setting(
     said = " ".join((result.stdout + result.stderr).split())
     assert "rank 1" in said and "cluster.rendezvous_addr: 'localhost' is 127.0.0.1 on node node2" in said, said[-3000:]
     assert took < 120, took  # submit, start, fail and report: no sync timeout (600 s) waited out
+
+
+def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, tmp_path):
+    """Two seeds, each run a whole node (2 tasks x 2 CPUs of its 4): Slurm places the array's
+    two tasks on the two nodes, where they run at the same time, each meeting at its own node."""
+    sweep_dir = tmp_path / "sweep"
+    result = subprocess.run(
+        [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
+         "cluster.cpus_per_task=2", "seed=1,2", f"hydra.sweep.dir={sweep_dir}", "monitor.progress=false",
+         "data.eval_limit=8", GRPO], cwd=REPO, env=two_nodes, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    array_id = result.stdout.split("submitted array job ")[1].split()[0]
+    nodes = set()
+    for index in (0, 1):
+        log = (sweep_dir / "logs" / f"{array_id}_{index}_0_log.out").read_text()
+        line = next(line for line in log.splitlines() if line.startswith("rank 0/2"))
+        node = line.split(" on ")[1].split()[0]
+        assert f"on {node} (10.213.0.1{node[-1]}), rank 0 at 10.213.0.1{node[-1]}:" in line  # its own node
+        nodes.add(node)
+        assert json.loads((sweep_dir / str(index) / "metrics" / "summary-rank1.json").read_text())["version"] == 2
+    assert nodes == {"node1", "node2"}

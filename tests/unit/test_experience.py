@@ -54,6 +54,10 @@ def test_routed_experts_round_trip_through_a_shard_and_older_shards_read_without
             assert (got.routed_experts is None) if want is None else np.array_equal(got.routed_experts, want)
     older = from_table(table.drop_columns(["routed_experts"]))
     assert [e.routed_experts for e in older] == [None] * 3 and older[1] == experiences[1]
+    mistyped = table.set_column(table.schema.get_field_index("routed_experts"), "routed_experts",
+                                pa.array(["x"] * 3))  # present, it must be what the schema says
+    with pytest.raises(ValueError, match="experience column 'routed_experts' has type string"):
+        from_table(mistyped)
 
 
 def test_another_schema_version_is_refused_with_a_message():

@@ -22,6 +22,9 @@ def _slurm_env(monkeypatch, procid: int, nodeid: int, localid: int, ntasks: int 
                        "SLURM_PROCID": procid, "SLURM_LOCALID": localid}.items():
         monkeypatch.setenv(key, str(value))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)  # restored after a rank sets it
+    # Slurm's NodeAddr of the first node, as `scontrol show node` gives it on the cluster
+    monkeypatch.setattr("rft.runtime.rendezvous.slurm_node_addr", {"gpu-a017": "10.1.0.17"}.get)
 
 
 @pytest.mark.parametrize("procid, nodeid, localid, role, role_rank", [
@@ -32,7 +35,9 @@ def test_ranks_roles_and_rendezvous_from_a_4_node_job(monkeypatch, procid, nodei
     cfg = RFTConfig(cluster=ClusterConfig(kind="slurm", trainer_ranks=24, rollout_ranks=8, nodes=4, gpus_per_node=8))
     info = Topology.from_env(cfg, master_port=0)
     assert (info.rank, info.world_size, info.role, info.role_rank) == (procid, 32, role, role_rank)
-    assert info.master_addr == "gpu-a017"  # first node of the allocation, where rank 0 runs
+    # rank 0 runs on the first node of the allocation, reached at its Slurm address
+    assert (info.master_node, info.master_addr) == ("gpu-a017", "10.1.0.17")
+    assert os.environ.get("GLOO_SOCKET_IFNAME")  # gloo binds the interface towards it, not the host name's
     assert info.master_port == port_for_job("123457") == 20000 + 3457 * 3
     assert info.weight_port == info.master_port + 1
     assert os.environ["LOCAL_RANK"] == str(localid)  # which GPU of its node the rank takes

@@ -7,6 +7,8 @@
 #   bash tools/slurm_local.sh start     # write $RFT_SLURM_DIR/*.conf, start the daemons
 #   bash tools/slurm_local.sh stop      # cancel its jobs, stop its daemons and job steps: only
 #                                       # those of this $RFT_SLURM_DIR, another instance runs on
+#   bash tools/slurm_local.sh lose-node K   # (RFT_SLURM_NODES > 1) kill every process of node K
+#                                       # at once, as a crash; `start` brings it back
 #   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue/sacct need to find it
 #
 # Ports (override for a second instance): RFT_SLURMCTLD_PORT 6817, RFT_SLURMD_PORT 6818,
@@ -26,7 +28,8 @@
 # their node's address and name, as on a cluster; the filesystem is the host's, shared by all.
 # Node names are not added to /etc/hosts (on clusters they often resolve to another network).
 # Each node advertises RFT_SLURM_CPUS CPUs (default: this machine's count over N, at least 4).
-# `stop` also removes the namespaces, links and bridge. Without root or network namespaces,
+# `start` again brings back a node whose slurmd is gone (a node lost, then rebooted). `stop` also
+# removes the namespaces, links and bridge. Without root or network namespaces,
 # `start` exits with status 3 and says why.
 set -euo pipefail
 DIR=${RFT_SLURM_DIR:-/tmp/rft-slurm}
@@ -164,14 +167,14 @@ PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP
 EOF
     export SLURM_CONF="$DIR/slurm.conf"
     if [ "$ACCOUNTING" = 1 ]; then start_accounting; fi
-    slurmctld -f "$SLURM_CONF"
+    any_ours slurmctld || slurmctld -f "$SLURM_CONF"  # start again: brings back a lost node's slurmd
     if [ "$NODES" -gt 1 ]; then
         start_nodes
     else
         slurmd -f "$SLURM_CONF" -N localhost
     fi
     for _ in $(seq 100); do
-        if [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated)')" -ge "$NODES" ]; then
+        if [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cE '^(idle|mixed|allocated|completing)')" -ge "$NODES" ]; then
             echo "Slurm is up ($NODES node(s)): export SLURM_CONF=$SLURM_CONF"; return; fi
         sleep 0.2
     done
@@ -202,10 +205,24 @@ start_nodes() {  # a bridge on $NET.1, node K in namespace rft-$TAG-nodeK at $NE
         ip -n "$ns" link set lo up
         ip -n "$ns" link set eth0 up
         ip -n "$ns" route replace default via "$NET.1"
+        if slurmd_running "node$i"; then continue; fi
         # nsenter, not `ip netns exec`: that remounts /sys and slurmd then finds no cgroup fs.
         # A UTS namespace gives the node its own hostname.
         nsenter --net="/var/run/netns/$ns" unshare --uts sh -c "hostname node$i && exec slurmd -f '$SLURM_CONF' -N node$i"
     done
+}
+
+slurmd_running() {  # slurmd_running <node>: this instance's slurmd of that node is up
+    local pid
+    pid=$(cat "$DIR/slurmd-$1.pid" 2>/dev/null) || return 1
+    grep -qsxzF "SLURM_CONF=$DIR/slurm.conf" "/proc/$pid/environ"
+}
+
+lose_node() {  # lose_node <K>: every process of node K killed at once, as when the node crashes
+    local pids
+    pids=$(ip netns pids "rft-$TAG-node$1" 2>/dev/null) || { echo "no node $1 here" >&2; exit 1; }
+    # shellcheck disable=SC2086
+    if [ -n "$pids" ]; then kill -KILL $pids; fi
 }
 
 stop_nodes() {  # what runs in the namespaces, then the namespaces, links and bridge
@@ -290,4 +307,7 @@ stop() {
     if [ "$NODES" -gt 1 ]; then stop_nodes; fi
 }
 
-"${1:-start}"
+case ${1:-start} in
+    lose-node) lose_node "${2:?lose-node needs a node number}";;
+    *) "${1:-start}";;
+esac

@@ -141,6 +141,52 @@ def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive:
     return None
 
 
+_PLACED = re.compile(r"^rank (\d+)/\d+: .* on (\S+) \(([^)]*)\), rank 0 at ", re.M)
+
+
+def placement(log_dir: str, job_id: str, world_size: int) -> dict[int, tuple[str, str]]:
+    """rank -> (node, address) as each rank logged it when it started (rft/runtime/task.py)."""
+    placed = {}
+    for rank in range(world_size):
+        try:
+            with open(os.path.join(log_dir, f"{job_id}_{rank}_log.out")) as f:
+                found = _PLACED.search(f.read(65536))
+        except OSError:
+            continue
+        if found:
+            placed[int(found.group(1))] = (found.group(2), found.group(3))
+    return placed
+
+
+def last_lines(path: str, count: int = 5) -> list[str]:
+    """The last `count` non-empty lines of a log (what a node that vanished managed to write)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 16384))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line for line in lines if line.strip()][-count:]
+
+
+def where_it_ran(failure: RankFailure, log_dir: str, job_id: str, world_size: int) -> list[str]:
+    """Lines that place a failed rank of a Slurm job: its node and address, the other ranks on
+    that node, and the last lines of its logs."""
+    placed = placement(log_dir, job_id, world_size)
+    if failure.rank not in placed:
+        return []
+    node, address = placed[failure.rank]
+    ranks = sorted(rank for rank, (n, _) in placed.items() if n == node)
+    lines = [f"on node {node} ({address}), which ran rank(s) {', '.join(map(str, ranks))}"]
+    for name in ("out", "err"):
+        tail = last_lines(os.path.join(log_dir, f"{job_id}_{failure.rank}_log.{name}"))
+        if tail:
+            lines.append(f"last lines of its log.{name}:")
+            lines += [f"  {line}" for line in tail]
+    return lines
+
+
 def stopped_responding(rank: int, quiet: float, log_dir: str, job_id: str, name_of: Callable[[int], str],
                        then: RankFailure | None = None) -> RankFailure:
     after = f"; rank {then.rank} then failed: {then.reason}" if then else ""

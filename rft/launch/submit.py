@@ -80,6 +80,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     from rich.markup import escape
 
     from rft.launch.console import console
+    from rft.launch.failures import where_it_ran
     from rft.launch.job_state import job_watch, local_rank_processes, stop_local_ranks, wait_until_gone
     from rft.launch.report import build_summary, print_summary, watch
     from rft.runtime.monitor import write_json_atomic
@@ -115,6 +116,9 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         # that rich would take for markup
         console.print(f"[red]rank {failure.rank} failed: {escape(failure.reason)}\n  log: {escape(failure.log_path)}",
                       soft_wrap=True)
+        if on_slurm:  # which node, what else ran there, and what the rank last wrote
+            for line in where_it_ran(failure, log_dir, job.job_id, world):
+                console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
         return 1
     if on_slurm and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")

@@ -136,8 +136,8 @@ def _rank_main(config: dict, master_port: int) -> dict:
 
     start_pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
     print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank}) on "
-          f"{this_node()} ({host_address(topology.master_addr)}), rank 0 at {topology.master_addr}:{topology.master_port}",
-          flush=True)
+          f"{this_node()} ({host_address(topology.master_addr)}), "
+          f"rank 0 at {topology.master_addr}:{topology.master_port}", flush=True)
     if topology.rank != 0 and topology.master_node:  # fail in seconds, not sync.timeout_s, if it is unreachable
         wait_until_reachable(topology.master_addr, topology.master_port + 2, topology.master_node)
     import torch

@@ -1,22 +1,33 @@
 """Runs that cross a node boundary, on a real two-node Slurm (tools/slurm_local.sh with
 RFT_SLURM_NODES=2: a network namespace, address and hostname per node): the trainer on one node
-and the rollout rank on the other, a TP=2 trainer split over both, and a rendezvous that cannot
+and the rollout rank on the other, that rollout node lost mid-run and the run resumed, a TP=2
+trainer split over both nodes, a sweep's runs on different nodes, and a rendezvous that cannot
 work failing in seconds with a message that names what to change."""
 
 import json
+import os
 import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.e2e.helpers import REPO
 
+sys.path.insert(0, os.path.join(REPO, "tools"))
+from chaos import check_run  # noqa: E402
+
+SCRIPT = os.path.join(REPO, "tools", "slurm_local.sh")
 GRPO = "stages=[{name: grpo, algorithm: {name: grpo}, trainer: {max_steps: 2}}]"
+STEPS, TIMEOUT_S = 10, 30
+LONG = "stages=[{name: grpo, algorithm: {name: grpo}, trainer: {max_steps: %d}}]" % STEPS
+COMMON = ("+experiment=quickstart", "cluster=slurm", "cluster.wait=true", "cluster.nodes=2", "monitor.progress=false",
+          "data.eval_limit=8")
 
 
 def _launch(env: dict, *overrides: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=slurm",
-                           "cluster.wait=true", "cluster.nodes=2", "monitor.progress=false", "data.eval_limit=8",
-                           *overrides], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "rft.launch", *COMMON, *overrides], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def _rank_lines(run_dir, job_id: str, ranks: int) -> list[str]:
@@ -40,9 +51,36 @@ def _steps_on(env: dict, job_id: str) -> list[str]:
     return rows
 
 
-def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(two_nodes, tmp_path):
-    run_dir = tmp_path / "run"
-    result = _launch(two_nodes, f"run.output_dir={run_dir}", GRPO)
+@pytest.fixture(scope="module")
+def lost_and_resumed(two_nodes, tmp_path_factory) -> dict:
+    """The quickstart's GRPO across two nodes (trainer on node1, rollout on node2, a checkpoint
+    every 2 steps, sync.timeout_s=30). After 4 steps node2 crashes: every process on it is
+    killed at once. Then the node comes back and the same command resumes the run."""
+    run_dir = tmp_path_factory.mktemp("lost") / "run"
+    args = (f"run.output_dir={run_dir}", LONG, "trainer.save_interval=2", f"sync.timeout_s={TIMEOUT_S}")
+    first = subprocess.Popen([sys.executable, "-m", "rft.launch", *COMMON, *args], cwd=REPO, env=two_nodes,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = run_dir / "metrics" / "trainer0.jsonl"
+    for _ in range(600):
+        if metrics.exists() and metrics.read_text().count('"loss/policy"') >= 4:
+            break
+        time.sleep(0.5)
+    lost_at = time.monotonic()
+    subprocess.run(["bash", SCRIPT, "lose-node", "2"], env=two_nodes, check=True)
+    out, _ = first.communicate(timeout=600)
+    failed_after = time.monotonic() - lost_at
+    subprocess.run(["bash", SCRIPT, "start"], env=two_nodes, check=True, capture_output=True)  # node2 is back
+    for _ in range(120):  # Slurm clears the crashed job from node2 once its slurmd answers again
+        if not subprocess.run(["squeue", "-h"], env=two_nodes, capture_output=True, text=True).stdout.strip():
+            break
+        time.sleep(1)
+    resumed = _launch(two_nodes, *args)
+    return {"run_dir": run_dir, "first": out, "first_rc": first.returncode, "failed_after": failed_after,
+            "resumed": resumed}
+
+
+def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(lost_and_resumed, two_nodes):
+    run_dir, result = lost_and_resumed["run_dir"], lost_and_resumed["resumed"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = " ".join(result.stdout.replace("│", " ").split())
     assert "node 0: rank 0 (trainer) node 1: rank 1 (rollout)" in plan
@@ -50,11 +88,28 @@ def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(two_no
     trainer, rollout = _rank_lines(run_dir, job_id, 2)
     assert trainer.endswith("on node1 (10.213.0.11), rank 0 at 10.213.0.11:" + trainer.rsplit(":", 1)[1])
     assert "on node2 (10.213.0.12), rank 0 at 10.213.0.11:" in rollout  # never 127.0.0.1
-    # the weights crossed the node boundary twice; the experience came back through the shared filesystem
-    assert json.loads((run_dir / "metrics" / "summary-rank1.json").read_text())["version"] == 2
-    trained = [json.loads(line) for line in (run_dir / "metrics" / "trainer0.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in trained if "loss/policy" in row] == [1, 2]
+    # the weights crossed the node boundary at every sync; the experience came through the shared filesystem
+    assert json.loads((run_dir / "metrics" / "summary-rank1.json").read_text())["version"] == STEPS
     assert _steps_on(two_nodes, job_id) == [f"{job_id}.0|node[1-2]|2|COMPLETED"]
+
+
+def test_a_lost_node_is_named_within_the_bound_and_the_run_resumes_losing_nothing(lost_and_resumed):
+    """The trainer's wait for node2 times out after sync.timeout_s; the launcher then names the
+    rank that stopped beating, its node, what else ran there and its last log lines. The bound:
+    sync.timeout_s + 2 x SILENT_S (the pulse's silence that marks a rank gone) + polling."""
+    from rft.runtime.pulse import SILENT_S
+
+    first = " ".join(lost_and_resumed["first"].split())
+    assert lost_and_resumed["first_rc"] == 1, first[-3000:]
+    assert "rank 1 failed: rollout rank 1 stopped responding" in first, first[-3000:]
+    assert "on node node2 (10.213.0.12), which ran rank(s) 1 last lines of its log.out:" in first
+    assert lost_and_resumed["failed_after"] < TIMEOUT_S + 2 * SILENT_S + 15, lost_and_resumed["failed_after"]
+    run_dir = lost_and_resumed["run_dir"]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
+    assert "resuming from" in logs
+    # every step's experience trained exactly once, every step logged once (tools/chaos.py's checks)
+    assert check_run(str(run_dir), STEPS, sft_steps=0, producer=1) == {
+        "experience_lost": 0, "experience_extra": 0, "metric_gaps": 0}
 
 
 def test_a_tp2_trainer_splits_over_two_nodes(two_nodes, tmp_path):

@@ -139,8 +139,10 @@ def test_a_rendezvous_at_a_loopback_address_fails_in_seconds_naming_the_setting(
 
 
 def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, tmp_path):
-    """Two seeds, each run a whole node (2 tasks x 2 CPUs of its 4): Slurm places the array's
-    two tasks on the two nodes, where they run at the same time, each meeting at its own node."""
+    """`-m seed=1,2`: one job array, one task per run, each run in its own output dir. Each run
+    takes a whole node (2 tasks x 2 CPUs of its 4), so Slurm places the array's two tasks on the
+    two nodes, where they run at the same time, each meeting at its own node; sacct shows both
+    completed, as a user would check."""
     sweep_dir = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
@@ -148,8 +150,10 @@ def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, 
          "data.eval_limit=8", GRPO], cwd=REPO, env=two_nodes, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     array_id = result.stdout.split("submitted array job ")[1].split()[0]
+    assert "(2 runs x 2 tasks)" in result.stdout
     nodes = set()
-    for index in (0, 1):
+    for index, seed in enumerate((1, 2)):
+        assert f"seed: {seed}\n" in (sweep_dir / str(index) / "config.yaml").read_text()
         log = (sweep_dir / "logs" / f"{array_id}_{index}_0_log.out").read_text()
         line = next(line for line in log.splitlines() if line.startswith("rank 0/2"))
         node = line.split(" on ")[1].split()[0]
@@ -157,3 +161,10 @@ def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, 
         nodes.add(node)
         assert json.loads((sweep_dir / str(index) / "metrics" / "summary-rank1.json").read_text())["version"] == 2
     assert nodes == {"node1", "node2"}
+    for _ in range(30):  # the launcher returned once Slurm no longer lists the jobs; slurmdbd records them just after
+        states = subprocess.run(["sacct", "-j", array_id, "-X", "-n", "-P", "-o", "JobID,State"], env=two_nodes,
+                                capture_output=True, text=True, check=True).stdout.split()
+        if all("|COMPLETED" in state for state in states):
+            break
+        time.sleep(1)
+    assert sorted(states) == [f"{array_id}_0|COMPLETED", f"{array_id}_1|COMPLETED"], states

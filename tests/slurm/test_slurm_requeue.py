@@ -1,6 +1,8 @@
-"""The time-limit signal in the middle of a run on a real Slurm: every rank saves at the same
-step, the job requeues itself, resumes, and ends as an uninterrupted run would: same step count,
-each experience shard consumed once, no gaps or duplicates on TensorBoard's step axis."""
+"""The time-limit signal in the middle of a run on a real two-node Slurm (the trainer on one node,
+the rollout rank on the other): the signal reaches the ranks of both nodes, every rank saves at
+the same step, the job requeues itself, resumes wherever Slurm places it, and ends as an
+uninterrupted run would: same step count, each experience shard consumed once, no gaps or
+duplicates on TensorBoard's step axis."""
 
 import json
 import os
@@ -23,12 +25,13 @@ def _progress_step(run_dir) -> int:
         return 0
 
 
-def test_signal_mid_run_saves_requeues_and_resumes(slurm, tmp_path):
+def test_signal_mid_run_saves_requeues_and_resumes(two_nodes, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
-           f"run.output_dir={run_dir}", "monitor.progress=false",
+           "cluster.nodes=2", f"run.output_dir={run_dir}", "monitor.progress=false",
            f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}"]
-    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = subprocess.Popen(cmd, cwd=REPO, env=two_nodes, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
     try:
         deadline = time.time() + 600
         while _progress_step(run_dir) < SFT_STEPS + 10:  # in the middle of GRPO
@@ -36,7 +39,7 @@ def test_signal_mid_run_saves_requeues_and_resumes(slurm, tmp_path):
             time.sleep(0.5)
         job_id = (run_dir / "logs").glob("*_0_log.out").__next__().name.split("_")[0]
         # what Slurm sends `signal_delay_s` before the time limit
-        subprocess.run(["scancel", "-s", "USR2", job_id], check=True)
+        subprocess.run(["scancel", "-s", "USR2", job_id], env=two_nodes, check=True)
         out, err = launcher.communicate(timeout=900)
     finally:
         if launcher.poll() is None:
@@ -47,13 +50,17 @@ def test_signal_mid_run_saves_requeues_and_resumes(slurm, tmp_path):
     assert requeues["requeues"] == 1
     stopped_at = requeues["last_at_step"]
     assert SFT_STEPS + 10 <= stopped_at < SFT_STEPS + GRPO_STEPS
-    show = subprocess.run(["scontrol", "show", "job", job_id], capture_output=True, text=True).stdout
+    show = subprocess.run(["scontrol", "show", "job", job_id], env=two_nodes, capture_output=True, text=True).stdout
     assert "Restarts=1" in show, show
+    nodes = set()
     for rank in (0, 1):
         log = (run_dir / "logs" / f"{job_id}_{rank}_log.out").read_text()
         assert f"resuming from {run_dir}/checkpoints/step{stopped_at:08d}" in log
+        # the requeued attempt's ranks (its log is appended to the first attempt's)
+        nodes.add(log.rsplit(f"rank {rank}/2: ", 1)[1].split(" on ", 1)[1].split()[0])
         summary = json.loads((run_dir / "metrics" / f"summary-rank{rank}.json").read_text())
         assert summary["steps"] == SFT_STEPS + GRPO_STEPS  # as an uninterrupted run
+    assert nodes == {"node1", "node2"}  # the resumed job spans both nodes again
 
     # every GRPO step's experience consumed exactly once, nothing left over or set aside
     buffer = ExperienceBuffer(str(run_dir / "buffer"))

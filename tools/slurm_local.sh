@@ -50,9 +50,9 @@ if [ "$NODES" -gt 1 ]; then
 fi
 
 install() {
-    local want="slurm-wlm"
+    local want="slurm-wlm iproute2"  # iproute2: `ip`, for the nodes of RFT_SLURM_NODES > 1
     if [ "$ACCOUNTING" = 1 ]; then want="$want slurmdbd mariadb-server"; fi
-    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null \
+    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v ip >/dev/null \
         && { [ "$ACCOUNTING" != 1 ] || { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; }; }; then
         return
     fi
@@ -183,10 +183,21 @@ EOF
 
 can_make_nodes() {  # root and network namespaces, or say why not (exit 3: tests skip on it)
     if [ "$(id -u)" != 0 ]; then echo "RFT_SLURM_NODES=$NODES needs root (network namespaces, a bridge)" >&2; exit 3; fi
+    if ! command -v ip >/dev/null || ! command -v nsenter >/dev/null; then
+        echo "RFT_SLURM_NODES=$NODES needs ip (iproute2) and nsenter (util-linux): bash tools/slurm_local.sh install" >&2
+        exit 3
+    fi
     if ! ip netns add "rft-$TAG-probe" 2>/dev/null; then
         echo "RFT_SLURM_NODES=$NODES: this machine does not allow network namespaces (ip netns add failed)" >&2; exit 3
     fi
     ip netns del "rft-$TAG-probe"
+    if ! ip link show "$BRIDGE" >/dev/null 2>&1; then
+        if ! ip link add "$BRIDGE" type bridge 2>/dev/null; then
+            echo "RFT_SLURM_NODES=$NODES: this machine cannot make a network bridge (ip link add type bridge failed)" >&2
+            exit 3
+        fi
+        ip link del "$BRIDGE"
+    fi
 }
 
 start_nodes() {  # a bridge on $NET.1, node K in namespace rft-$TAG-nodeK at $NET.(10+K), its slurmd

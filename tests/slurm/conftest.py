@@ -63,7 +63,7 @@ def two_nodes():
     10.213.0.12) and hostname (node1, node2) and its own slurmd, on a bridge; accounting on its
     own slurmdbd and MariaDB. Skips where it cannot run (not root, no network namespaces).
     Yields the environment a launcher needs to use it; stopped (namespaces removed) at the end."""
-    if any(shutil.which(daemon) is None for daemon in ("slurmctld", "slurmdbd", "mariadbd")):
+    if any(shutil.which(tool) is None for tool in ("slurmctld", "slurmdbd", "mariadbd", "ip")):
         if os.geteuid() != 0:
             pytest.skip("slurm-wlm, slurmdbd or mariadb-server is not installed and installing needs root")
         subprocess.run(["bash", SCRIPT, "install"], check=True)

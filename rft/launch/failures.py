@@ -177,8 +177,13 @@ def where_it_ran(failure: RankFailure, log_dir: str, job_id: str, world_size: in
     if failure.rank not in placed:
         return []
     node, address = placed[failure.rank]
-    ranks = sorted(rank for rank, (n, _) in placed.items() if n == node)
-    lines = [f"on node {node} ({address}), which ran rank(s) {', '.join(map(str, ranks))}"]
+    by_node: dict[tuple[str, str], list[int]] = {}
+    for rank, where in sorted(placed.items()):
+        by_node.setdefault(where, []).append(rank)
+    lines = [f"on node {node} ({address}), which ran rank(s) {', '.join(map(str, by_node[node, address]))}"]
+    if len(by_node) > 1:  # a peer it names (a timeout's "rollout rank 1") may be on another node
+        lines.append("the job's nodes: " + "; ".join(f"{n} ({a}): rank(s) {', '.join(map(str, ranks))}"
+                                                    for (n, a), ranks in by_node.items()))
     for name in ("out", "err"):
         tail = last_lines(os.path.join(log_dir, f"{job_id}_{failure.rank}_log.{name}"))
         if tail:

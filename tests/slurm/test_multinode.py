@@ -102,7 +102,8 @@ def test_a_lost_node_is_named_within_the_bound_and_the_run_resumes_losing_nothin
     first = " ".join(lost_and_resumed["first"].split())
     assert lost_and_resumed["first_rc"] == 1, first[-3000:]
     assert "rank 1 failed: rollout rank 1 stopped responding" in first, first[-3000:]
-    assert "on node node2 (10.213.0.12), which ran rank(s) 1 last lines of its log.out:" in first
+    assert "on node node2 (10.213.0.12), which ran rank(s) 1 the job's nodes: node1 (10.213.0.11): rank(s) 0; " \
+           "node2 (10.213.0.12): rank(s) 1 last lines of its log.out:" in first
     assert lost_and_resumed["failed_after"] < TIMEOUT_S + 2 * SILENT_S + 15, lost_and_resumed["failed_after"]
     run_dir = lost_and_resumed["run_dir"]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))

@@ -1,0 +1,29 @@
+"""What the launcher adds to a failed rank of a Slurm job: its node and address as the rank
+logged them, the ranks on each node, and the last lines of its logs."""
+
+from rft.launch.failures import RankFailure, last_lines, where_it_ran
+
+
+def _logs(tmp_path, placed: dict[int, tuple[str, str]], err_lines: int = 0) -> None:
+    for rank, (node, address) in placed.items():
+        (tmp_path / f"7_{rank}_log.out").write_text(
+            f"submitit INFO - Starting\nrank {rank}/{len(placed)}: trainer (role rank {rank}) on {node} ({address}), "
+            f"rank 0 at 10.0.0.1:20021\n")
+        (tmp_path / f"7_{rank}_log.err").write_text("".join(f"err {i}\n" for i in range(err_lines)))
+
+
+def test_a_failed_rank_is_placed_on_its_node_beside_the_other_nodes_ranks(tmp_path):
+    _logs(tmp_path, {0: ("n1", "10.0.0.1"), 1: ("n1", "10.0.0.1"), 2: ("n2", "10.0.0.2")}, err_lines=8)
+    lines = where_it_ran(RankFailure(2, "", "timed out"), str(tmp_path), "7", 3)
+    assert lines[0] == "on node n2 (10.0.0.2), which ran rank(s) 2"
+    assert lines[1] == "the job's nodes: n1 (10.0.0.1): rank(s) 0, 1; n2 (10.0.0.2): rank(s) 2"
+    assert lines[2] == "last lines of its log.out:" and lines[4].startswith("  rank 2/3: trainer")
+    assert lines[5:] == ["last lines of its log.err:"] + [f"  err {i}" for i in range(3, 8)]  # the last 5
+
+
+def test_one_node_and_a_rank_that_never_logged(tmp_path):
+    _logs(tmp_path, {0: ("n1", "10.0.0.1"), 1: ("n1", "10.0.0.1")})
+    assert where_it_ran(RankFailure(0, "", "x"), str(tmp_path), "7", 2)[:2] == [
+        "on node n1 (10.0.0.1), which ran rank(s) 0, 1", "last lines of its log.out:"]
+    assert where_it_ran(RankFailure(5, "", "x"), str(tmp_path), "7", 6) == []  # no log of its own: nothing to add
+    assert last_lines(str(tmp_path / "missing.log")) == []

@@ -1,8 +1,8 @@
 """Routing replay (R3) on gloo ranks: a Qwen3-MoE trainer's routers take given experts per token.
 
 Routes come from `transformers` (its router's top k for each token, as vLLM would return them)
-and from a shifted copy (every token sent to other experts). At TP1 and at TP2 (sequence
-parallel), PP2 and EP2, padded and packed microbatches:
+and from a shifted copy (every token sent to other experts). At TP1 (padded microbatches), TP2
+(sequence parallel), PP2 and EP2 (packed ones):
   - replaying transformers' own routes changes nothing (the routes reach each token in the
     order its router sees them: position-major, packed, sliced per TP rank, per stage);
   - replaying the shifted routes changes the logprobs, identically in every layout (the same
@@ -17,7 +17,9 @@ import torch
 from dist_models import create_family_model, free_port, init_gloo, spawn
 
 SEQUENCES = [[1, 5, 6, 14, 7, 8, 17, 9, 10, 2], [1, 12, 13, 14, 20, 21, 17], [1, 30, 31, 32, 33]]
-LAYOUTS = [(1, 1, 1, False), (2, 1, 1, False), (1, 2, 1, True), (1, 1, 2, True), (2, 1, 1, True)]  # TP PP EP packed
+# TP PP EP packed. Padded microbatches' position-major order is held at TP1; the SP slice at TP2
+# packed (a wrong slice fails it as it fails TP2 padded)
+LAYOUTS = [(1, 1, 1, False), (1, 2, 1, True), (1, 1, 2, True), (2, 1, 1, True)]
 
 
 def _hf_routes(model_dir: str) -> list[np.ndarray]:

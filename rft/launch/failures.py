@@ -145,16 +145,17 @@ _PLACED = re.compile(r"^rank (\d+)/\d+: .* on (\S+) \(([^)]*)\), rank 0 at ", re
 
 
 def placement(log_dir: str, job_id: str, world_size: int) -> dict[int, tuple[str, str]]:
-    """rank -> (node, address) as each rank logged it when it started (rft/runtime/task.py)."""
+    """rank -> (node, address) as each rank logged it when it started (rft/runtime/task.py); a
+    requeued job appends to its logs, and its last start is where it ran last."""
     placed = {}
     for rank in range(world_size):
         try:
-            with open(os.path.join(log_dir, f"{job_id}_{rank}_log.out")) as f:
-                found = _PLACED.search(f.read(65536))
+            with open(os.path.join(log_dir, f"{job_id}_{rank}_log.out"), errors="replace") as f:
+                starts = _PLACED.findall(f.read())
         except OSError:
             continue
-        if found:
-            placed[int(found.group(1))] = (found.group(2), found.group(3))
+        if starts:
+            placed[int(starts[-1][0])] = starts[-1][1:]
     return placed
 
 

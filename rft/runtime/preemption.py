@@ -100,7 +100,7 @@ class ControlGroup:
 
 def control_store(topology: Topology, timeout: datetime.timedelta) -> dist.Store:
     """The job's key-value store, hosted by rank 0 (votes, the dealer's counters, judge URLs)."""
-    return dist.TCPStore(topology.master_addr, topology.master_port + 2, None, is_master=topology.rank == 0,
+    return dist.TCPStore(topology.master_addr, topology.control_port, None, is_master=topology.rank == 0,
                          timeout=timeout, wait_for_workers=False)
 
 

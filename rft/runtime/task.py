@@ -81,13 +81,19 @@ def _rank_name(config: dict, master_port: int) -> str:
     import: the supervisor names the rank before it starts)."""
     import submitit
 
-    rank = submitit.JobEnvironment().global_rank
+    from rft.runtime.topology import Topology
+
+    env = submitit.JobEnvironment()
+    rank = env.global_rank
     if config["mode"] == "bench":
         return f"bench rank {rank}"
-    try:
-        return _rank_setup(config, master_port)[1].member_name(rank)
-    except Exception:  # a job of the wrong size: the rank itself reports it
-        return f"rank {rank}"
+    try:  # the roles alone: the rendezvous (a scontrol call, the gloo interface) is the rank's to resolve
+        topology = Topology.of(_typed_config(config), rank)
+        if env.num_tasks == topology.world_size:
+            return topology.member_name(rank)
+    except Exception:
+        pass
+    return f"rank {rank}"  # a job of the wrong size: the rank itself reports it
 
 
 def _slurm_job_id() -> str | None:
@@ -111,12 +117,17 @@ def _start_over_after_requeue(cfg, resume) -> None:
           f"{set_aside_attempt(cfg.run.output_dir)}", flush=True)
 
 
+def _typed_config(config: dict):
+    from rft.config import RFTConfig
+
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
+
+
 def _rank_setup(config: dict, master_port: int):
     """The typed config and this task's Topology (the ranks its mode runs: Topology.of)."""
-    from rft.config import RFTConfig
     from rft.runtime.topology import Topology
 
-    cfg: RFTConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RFTConfig), config))
+    cfg = _typed_config(config)
     return cfg, (None if cfg.mode == "bench" else Topology.from_env(cfg, master_port))
 
 
@@ -139,7 +150,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
           f"{this_node()} ({host_address(topology.master_addr)}), "
           f"rank 0 at {topology.master_addr}:{topology.master_port}", flush=True)
     if topology.rank != 0 and topology.master_node:  # fail in seconds, not sync.timeout_s, if it is unreachable
-        wait_until_reachable(topology.master_addr, topology.master_port + 2, topology.master_node)
+        wait_until_reachable(topology.master_addr, topology.control_port, topology.master_node)
     import torch
 
     # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe

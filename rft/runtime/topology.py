@@ -103,6 +103,11 @@ class Topology:
         return self.master_port + 1
 
     @property
+    def control_port(self) -> int:
+        """Rank 0's control store (rft/runtime/preemption.py)."""
+        return self.master_port + 2
+
+    @property
     def engine_count(self) -> int:
         """vLLM rollout engines in the job: one per group of `engine_span` rollout tasks."""
         return self.rollout_ranks // self.engine_span

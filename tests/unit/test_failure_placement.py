@@ -27,3 +27,10 @@ def test_one_node_and_a_rank_that_never_logged(tmp_path):
         "on node n1 (10.0.0.1), which ran rank(s) 0, 1", "last lines of its log.out:"]
     assert where_it_ran(RankFailure(5, "", "x"), str(tmp_path), "7", 6) == []  # no log of its own: nothing to add
     assert last_lines(str(tmp_path / "missing.log")) == []
+
+
+def test_a_requeued_rank_is_placed_where_it_started_last(tmp_path):
+    _logs(tmp_path, {0: ("n1", "10.0.0.1"), 1: ("n2", "10.0.0.2")})
+    with open(tmp_path / "7_1_log.out", "a") as f:  # the requeued attempt, appended on another node
+        f.write("rank 1/2: rollout (role rank 0) on n3 (10.0.0.3), rank 0 at 10.0.0.1:20021\n")
+    assert where_it_ran(RankFailure(1, "", "x"), str(tmp_path), "7", 2)[0] == "on node n3 (10.0.0.3), which ran rank(s) 1"

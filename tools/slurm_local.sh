@@ -9,6 +9,8 @@
 #                                       # those of this $RFT_SLURM_DIR, another instance runs on
 #   bash tools/slurm_local.sh lose-node K   # (RFT_SLURM_NODES > 1) kill every process of node K
 #                                       # at once, as a crash; `start` brings it back
+#   bash tools/slurm_local.sh cut-node K    # set node K's link down (a network partition: its
+#                                       # processes live on); `start` brings the link back up
 #   export SLURM_CONF=$RFT_SLURM_DIR/slurm.conf   # what sbatch/srun/squeue/sacct need to find it
 #
 # Ports (override for a second instance): RFT_SLURMCTLD_PORT 6817, RFT_SLURMD_PORT 6818,
@@ -25,7 +27,8 @@
 # (rft-<name>-nodeK) joined to a bridge by a veth pair: node K has address $RFT_SLURM_NET.(10+K)
 # (RFT_SLURM_NET defaults to 10.213.0; the bridge holds .1, where slurmctld listens) and its own
 # hostname (a UTS namespace), and runs its own slurmd. Jobs, srun steps and every rank then see
-# their node's address and name, as on a cluster; the filesystem is the host's, shared by all.
+# their node's address and name, as on a cluster; the filesystem is the host's, shared by all,
+# except $RFT_SLURM_DIR/local: each node's own scratch (a tmpfs in the node's mount namespace).
 # Node names are not added to /etc/hosts (on clusters they often resolve to another network).
 # Each node advertises RFT_SLURM_CPUS CPUs (default: this machine's count over N, at least 4).
 # `start` again brings back a node whose slurmd is gone (a node lost, then rebooted). `stop` also
@@ -219,7 +222,11 @@ start_nodes() {  # a bridge on $NET.1, node K in namespace rft-$TAG-nodeK at $NE
         if slurmd_running "node$i"; then continue; fi
         # nsenter, not `ip netns exec`: that remounts /sys and slurmd then finds no cgroup fs.
         # A UTS namespace gives the node its own hostname.
-        nsenter --net="/var/run/netns/$ns" unshare --uts sh -c "hostname node$i && exec slurmd -f '$SLURM_CONF' -N node$i"
+        # A mount namespace gives it a node-local scratch at $DIR/local: the same path on every
+        # node, each node's own tmpfs there (as /tmp or a local disk is on a cluster).
+        mkdir -p "$DIR/local"
+        nsenter --net="/var/run/netns/$ns" unshare --uts --mount --propagation private sh -c \
+            "hostname node$i && mount -t tmpfs -o size=64m rft-node$i-local '$DIR/local' && exec slurmd -f '$SLURM_CONF' -N node$i"
     done
 }
 
@@ -234,6 +241,10 @@ lose_node() {  # lose_node <K>: every process of node K killed at once, as when 
     pids=$(ip netns pids "rft-$TAG-node$1" 2>/dev/null) || { echo "no node $1 here" >&2; exit 1; }
     # shellcheck disable=SC2086
     if [ -n "$pids" ]; then kill -KILL $pids; fi
+}
+
+cut_node() {  # cut_node <K>: node K's link to the bridge down, as a partition; its processes live on
+    ip link set "rft$TAG$1" down 2>/dev/null || { echo "no node $1 here" >&2; exit 1; }
 }
 
 stop_nodes() {  # what runs in the namespaces, then the namespaces, links and bridge
@@ -320,5 +331,6 @@ stop() {
 
 case ${1:-start} in
     lose-node) lose_node "${2:?lose-node needs a node number}";;
+    cut-node) cut_node "${2:?cut-node needs a node number}";;
     *) "${1:-start}";;
 esac

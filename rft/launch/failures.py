@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rich.markup import escape
@@ -64,6 +64,10 @@ def find_failures(run_dir: str, log_dir: str, job_id: str, world_size: int,
                 state = slurm_job_state(job_id) if on_slurm else None
                 if state:
                     reason += f"; Slurm: job {job_id} {state}"
+                if on_slurm and not os.path.exists(log) and not os.path.exists(log.replace("_log.err", "_log.out")):
+                    reason += (f"; it wrote no log into {log_dir}: the job's nodes may not see run.output_dir "
+                               f"({run_dir}). Put it on a filesystem this login node and every compute node "
+                               "share (Lustre, GPFS, NFS), not on a node-local path such as /tmp")
                 failures.append((time.time(), RankFailure(rank, log, reason)))
     return [f for _, f in sorted(failures, key=lambda f: f[0])]
 
@@ -81,6 +85,17 @@ class EngineLosses:
 
     def __init__(self, engine_of: dict[int, int]):
         self.engine_of, self.lost = engine_of, set()
+
+    @property
+    def lost_ranks(self) -> set[int]:
+        """Every rank of the engines lost so far."""
+        return {rank for rank, engine in self.engine_of.items() if engine in self.lost}
+
+    def rest_finished(self, log_dir: str, job_id: str, world_size: int) -> bool:
+        """Every rank has ended but those of lost engines, which may never end by themselves (a
+        crashed node's: Slurm keeps the job until it declares the node down): the run is over."""
+        rest = set(range(world_size)) - self.lost_ranks
+        return bool(self.lost) and all(task_result(log_dir, job_id, rank) is not None for rank in rest)
 
     def fatal(self, failures: list[RankFailure]) -> RankFailure | None:
         for failure in failures:
@@ -103,15 +118,14 @@ def root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: 
     supervisor cleaned up and told the job's store (seconds, when the store went down with rank
     0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
     until a rank that died reports or every rank has ended, reported or gone silent; a death wins."""
-    from rft.runtime.pulse import silent_s
-    from rft.runtime.task import pid_path
+    from rft.runtime.pulse import cut_off, pid_path, silent_s
 
     deadline = time.monotonic() + DEATH_REPORT_S
 
-    def accounted(rank: int) -> bool:  # ended, reported, or stopped (silent: it will never report)
+    def accounted(rank: int) -> bool:  # ended, reported, stopped (silent) or cut off: nothing more to come
         quiet = silent_s(pid_path(run_dir, rank))
         return alive(rank) is False or task_result(log_dir, job_id, rank) is not None or \
-            (quiet is not None and quiet >= SILENT_S)
+            (quiet is not None and quiet >= SILENT_S) or cut_off(pid_path(run_dir, rank)) is not None
 
     while True:
         failures = find_failures(run_dir, log_dir, job_id, world_size, alive, on_slurm)
@@ -122,26 +136,50 @@ def root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: 
 
 
 def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive: Callable[[int], bool | None],
-                silent_for_s: float, besides: int | None = None) -> tuple[int, float] | None:
-    """A rank (not `besides`) whose pulse (rft/runtime/pulse.py) stopped `silent_for_s` ago or
-    more although its process has not ended, while another rank's pulse goes on: it is stopped
-    (SIGSTOP, a debugger) or hung. (rank, seconds silent). Nobody beating means the job is not
-    running (queued again after a requeue, or ending): no rank is blamed then."""
-    from rft.runtime.pulse import silent_s
-    from rft.runtime.task import pid_path
+                silent_for_s: float, besides: Iterable[int] = (), among: Iterable[int] | None = None
+                ) -> tuple[int, float] | None:
+    """A rank (of `among`, not of `besides`) whose pulse (rft/runtime/pulse.py) stopped
+    `silent_for_s` ago or more although its process has not ended, while another rank's pulse
+    goes on: it is stopped (SIGSTOP, a debugger), hung, or its node is gone. (rank, seconds
+    silent). Nobody beating means the job is not running (queued again after a requeue, or
+    ending): no rank is blamed then."""
+    from rft.runtime.pulse import pid_path, silent_s
 
     quiet = {rank: silent_s(pid_path(run_dir, rank)) for rank in range(world_size)}
     if not any(q is not None and q < SILENT_S for q in quiet.values()):
         return None
+    candidates = set(range(world_size) if among is None else among) - set(besides)
     for rank, q in quiet.items():
-        if rank == besides or q is None or q < silent_for_s or alive(rank) is False:
+        if rank not in candidates or q is None or q < silent_for_s or alive(rank) is False:
             continue
         if task_result(log_dir, job_id, rank) is None:  # one that ended stops beating, too
             return rank, q
     return None
 
 
-_PLACED = re.compile(r"^rank (\d+)/\d+: .* on (\S+) \(([^)]*)\), rank 0 at ", re.M)
+def cut_off_rank(run_dir: str, world_size: int, for_s: float, besides: Iterable[int] = ()) -> tuple[int, dict] | None:
+    """A rank (not in `besides`: engines the run may lose) whose rank 0 has not answered it for
+    `for_s` seconds or more, though its pulse goes on (rft/runtime/pulse.py): its node lost the
+    network to rank 0's. (rank, what it recorded)."""
+    from rft.runtime.pulse import cut_off, pid_path
+
+    for rank in sorted(set(range(1, world_size)) - set(besides)):
+        cut = cut_off(pid_path(run_dir, rank))
+        if cut is not None and cut["for_s"] >= for_s:
+            return rank, cut
+    return None
+
+
+def cut_off_from_rank0(rank: int, cut: dict, log_dir: str, job_id: str, name_of: Callable[[int], str],
+                       then: RankFailure | None = None) -> RankFailure:
+    after = f"; rank {then.rank} then failed: {then.reason}" if then and then.rank != rank else ""
+    return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
+                       f"{name_of(rank)} lost the network to rank 0: its control store at {cut['address']} has not "
+                       f"answered it for {cut['for_s']:.0f} s ({cut['error']}), while the rank runs on (a network "
+                       f"partition: a link, switch or interface down between its node and rank 0's){after}")
+
+
+_PLACED = re.compile(r"^rank (\d+)/\d+: .* on (\S+) \(([^)]*)\), rank 0 at ", re.MULTILINE)
 
 
 def placement(log_dir: str, job_id: str, world_size: int) -> dict[int, tuple[str, str]]:

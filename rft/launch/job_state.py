@@ -39,7 +39,7 @@ def _pid_alive(pid_file: str) -> bool | None:
 def local_rank_alive(run_dir: str) -> Callable[[int], bool | None]:
     """Liveness from the pid files the ranks and their supervising tasks write (only meaningful on
     the launcher's machine): alive while either process is."""
-    from rft.runtime.task import pid_path
+    from rft.runtime.pulse import pid_path
 
     def alive(rank: int) -> bool | None:
         states = [_pid_alive(pid_path(run_dir, rank)), _pid_alive(pid_path(run_dir, rank, supervisor=True))]
@@ -54,7 +54,7 @@ def local_rank_processes(run_dir: str, log_dir: str, world_size: int) -> list[tu
     count, so a pid file left from an earlier attempt never names an unrelated process that reuses
     its number. Taken while the ranks live: a rank's process group (vLLM's engine process, reward
     and tool subprocesses) outlives its leader."""
-    from rft.runtime.task import pid_path
+    from rft.runtime.pulse import pid_path
 
     found = []
     for rank in range(world_size):

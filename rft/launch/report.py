@@ -14,19 +14,22 @@ from rich.table import Table
 
 from rft.data.taskset import file_counts
 from rft.launch.console import console
-from rft.launch.failures import EngineLosses, RankFailure, find_failures, root_cause, silent_rank, stopped_responding
+from rft.launch.failures import (EngineLosses, RankFailure, cut_off_from_rank0, cut_off_rank, find_failures, root_cause,
+                                 silent_rank, stopped_responding)
 from rft.launch.job_state import local_rank_alive
 from rft.runtime.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
-from rft.runtime.pulse import SILENT_S
+from rft.runtime.pulse import PULSE_S, SILENT_S
 
 
 def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool, poll_s: float = 1.0,
           done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
           on_slurm: bool = False, engine_of: dict[int, int] | None = None,
-          name_of: Callable[[int], str] = lambda rank: f"rank {rank}", hang_s: float = 630.0) -> RankFailure | None:
+          name_of: Callable[[int], str] = lambda rank: f"rank {rank}", hang_s: float = 630.0,
+          cut_s: float = 600.0) -> RankFailure | None:
     """Render progress until the job ends; return the first failed rank, if any (a lost engine's
-    ranks in `engine_of` are not the job's failure: EngineLosses), or the rank silent for `hang_s`
-    while the others beat (`silent_rank`). While it follows, the launcher's ownership of the run
+    ranks in `engine_of` are not the job's failure: EngineLosses), the rank silent for `hang_s`
+    while the others beat (`silent_rank`), or the one rank 0 has not answered for `cut_s`
+    (`cut_off_rank`: a network partition). While it follows, the launcher's ownership of the run
     directory stays fresh (rft/runtime/run_dir.py)."""
     losses = EngineLosses(engine_of or {})
     alive = alive or local_rank_alive(run_dir)
@@ -41,7 +44,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
     beat, shown_endpoints = 0.0, False
     with progress:
         bar = progress.add_task("run", total=None, stage="starting", reward="-")
-        while not done():
+        while not (done() or losses.rest_finished(log_dir, job.job_id, world_size)):
             if time.monotonic() - beat > HEARTBEAT_S:
                 heartbeat(run_dir)
                 beat = time.monotonic()
@@ -50,14 +53,29 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 failure = root_cause(failure, losses, run_dir, log_dir, job.job_id, world_size, alive, on_slurm)
                 if failure.died:
                     return failure
-                # a rank that timed out waiting: the one it waited for may be stopped, or waiting itself
-                silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, SILENT_S, besides=failure.rank)
-                return failure if silent is None else stopped_responding(*silent, log_dir, job.job_id, name_of, failure)
-            # no rank failed, but one went silent longer than its peers would wait for it (a stopped
-            # rank that hosts the control store leaves them waiting on the store, with no timeout)
-            silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, hang_s)
+                # a rank that timed out waiting: the one it waited for may be cut off, stopped, or waiting itself
+                silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, SILENT_S,
+                                     besides={failure.rank} | losses.lost_ranks)
+                if silent is not None:
+                    return stopped_responding(*silent, log_dir, job.job_id, name_of, failure)
+                cut = cut_off_rank(run_dir, world_size, PULSE_S, besides=losses.engine_of)
+                return failure if cut is None else cut_off_from_rank0(*cut, log_dir, job.job_id, name_of, failure)
+            # an engine the run may lose whose pulse stopped (its node crashed or dropped off the
+            # network): lost, as rank 0 marks it (rft/runtime/membership.py's PulseWatch)
+            while (silent := silent_rank(run_dir, log_dir, job.job_id, world_size, alive, SILENT_S,
+                                         besides=losses.lost_ranks, among=losses.engine_of)) is not None:
+                failure = losses.fatal([stopped_responding(*silent, log_dir, job.job_id, name_of)])
+                if failure is not None:
+                    return failure
+            # no rank failed, but one went silent or lost the network longer than its peers would
+            # wait for it (a stopped rank that hosts the control store leaves them waiting on the
+            # store, with no timeout)
+            silent = silent_rank(run_dir, log_dir, job.job_id, world_size, alive, hang_s, besides=losses.lost_ranks)
             if silent is not None:
                 return stopped_responding(*silent, log_dir, job.job_id, name_of)
+            cut = cut_off_rank(run_dir, world_size, cut_s, besides=losses.engine_of)
+            if cut is not None:
+                return cut_off_from_rank0(*cut, log_dir, job.job_id, name_of)
             endpoints = None if shown_endpoints else _read_json(os.path.join(run_dir, "endpoints.json"))
             if endpoints:  # rollout.openai_api: say where agents can reach the policy, once
                 shown_endpoints = True

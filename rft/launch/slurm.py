@@ -193,11 +193,14 @@ def make_executor(cfg: RFTConfig, folder: str):
             params[key] = getattr(c, key)
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
-    if c.sbatch_extra:
-        params["additional_parameters"] = dict(c.sbatch_extra)
+    extra = dict(c.sbatch_extra)
     if cfg.rollout.on_engine_failure == "continue":
-        # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero
-        params["srun_args"] = ["--kill-on-bad-exit=0"]
+        # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero,
+        # and Slurm ends a job one of whose nodes fails unless told not to (--no-kill)
+        params["srun_args"] = ["--kill-on-bad-exit=0", "--no-kill"]
+        extra = {"no_kill": True, **extra}
+    if extra:
+        params["additional_parameters"] = extra
     executor.update_parameters(**params)
     return executor
 

@@ -94,14 +94,16 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     try:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
                         on_slurm=on_slurm, engine_of=losable_engines(topology), name_of=topology.member_name,
-                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S)  # its peers had their chance to time out
+                        # its peers had their chance to time out
+                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S, cut_s=cfg.sync.timeout_s)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
         console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
                       f"run.output_dir={cfg.run.output_dir} to resume from its newest checkpoint", soft_wrap=True)
         return 130
     finally:
-        if not done():
+        cancelled = not done()  # failed, interrupted, or over but for a lost node's ranks
+        if cancelled:
             processes = [] if on_slurm else local_rank_processes(cfg.run.output_dir, log_dir, world)
             job.cancel()
             if not on_slurm:  # Slurm ends every process of a cancelled job; a local cancel does not
@@ -120,7 +122,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
             for line in where_it_ran(failure, log_dir, job.job_id, world):
                 console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
         return 1
-    if on_slurm and not wait_until_gone(job.job_id):
+    if on_slurm and not cancelled and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
     if cfg.mode == "serve":
         from rft.launch.report import served_line

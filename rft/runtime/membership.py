@@ -110,3 +110,51 @@ class Meeting:
             if unread <= len(lost_ranks(self.store, present)):
                 return
             time.sleep(0.002)
+
+
+class PulseWatch:
+    """Rank 0, when the run may lose engines: marks lost each engine leader of `ranks` whose pulse
+    stopped (rft/runtime/pulse.py) or that lost the network to rank 0, for SILENT_S seconds. A
+    rank that fails or is killed is marked by its own supervising task (rft/runtime/task.py), but
+    a node that crashed or dropped off the network takes that task with it: without this mark the
+    others would wait for it until sync.timeout_s and then fail, though the run could go on.
+    Its own client of the store: torch's TCPStore client is not shared between threads."""
+
+    def __init__(self, store: dist.Store, run_dir: str, ranks: frozenset[int], name_of: Callable[[int], str]):
+        import threading
+
+        self.store, self.run_dir, self.ranks, self.name_of = store, run_dir, ranks, name_of
+        self.stopped = threading.Event()
+        threading.Thread(target=self._watch, name="rft-pulse-watch", daemon=True).start()
+
+    def stop(self) -> None:
+        """Before the run's last meeting: ranks that finish stop beating, too."""
+        self.stopped.set()
+
+    def _watch(self) -> None:
+        from rft.runtime.pulse import PULSE_S
+
+        while not self.stopped.wait(PULSE_S):
+            try:
+                for rank, how in self.gone().items():
+                    if not self.stopped.is_set() and not self.store.check([f"{LOST}/{rank}"]):
+                        print(f"rft: {how}; the run goes on without it (rollout.on_engine_failure=continue)", flush=True)
+                        mark_lost(self.store, rank, how)
+            except Exception as err:  # noqa: BLE001 - the store is going down with the run: nothing left to watch
+                print(f"rft: stopped watching the engines' pulses: {err}", flush=True)
+                return
+
+    def gone(self) -> dict[int, str]:
+        """rank -> how it went, for the watched ranks whose pulse stopped or that are cut off."""
+        from rft.runtime.pulse import SILENT_S, cut_off, pid_path, silent_s
+
+        found = {}
+        for rank in sorted(self.ranks):
+            quiet, cut = silent_s(pid_path(self.run_dir, rank)), cut_off(pid_path(self.run_dir, rank))
+            if quiet is not None and quiet >= SILENT_S:
+                found[rank] = (f"{self.name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (its node "
+                               "crashed or lost the network, or it was stopped)")
+            elif cut is not None and cut["for_s"] >= SILENT_S:
+                found[rank] = (f"{self.name_of(rank)} lost the network to rank 0: its control store at "
+                               f"{cut['address']} has not answered it for {cut['for_s']:.0f} s")
+        return found

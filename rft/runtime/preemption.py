@@ -98,10 +98,11 @@ class ControlGroup:
         self.store.set("rft-finished", "1")
 
 
-def control_store(topology: Topology, timeout: datetime.timedelta) -> dist.Store:
-    """The job's key-value store, hosted by rank 0 (votes, the dealer's counters, judge URLs)."""
-    return dist.TCPStore(topology.master_addr, topology.control_port, None, is_master=topology.rank == 0,
-                         timeout=timeout, wait_for_workers=False)
+def control_store(topology: Topology, timeout: datetime.timedelta, client: bool = False) -> dist.Store:
+    """The job's key-value store, hosted by rank 0 (votes, the dealer's counters, judge URLs);
+    `client`: another connection to it (rank 0's second thread)."""
+    return dist.TCPStore(topology.master_addr, topology.control_port, None,
+                         is_master=topology.rank == 0 and not client, timeout=timeout, wait_for_workers=False)
 
 
 def hold_until_finished(topology: Topology, poll_s: float = 5.0) -> dict:

@@ -109,3 +109,38 @@ def wait_until_reachable(address: str, port: int, first_node: str, budget_s: flo
             time.sleep(1.0)
     raise RendezvousError(f"rank 0's control store at {address}:{port} (node {first_node}) did not answer node "
                           f"{this_node()} within {budget_s:.0f} s ({last}); {SETTINGS}")
+
+
+SHARED_KEY = "rft-shared-run-dir"
+SHARED_WAIT_S = 30.0  # NFS may show a file created on another node only after its attribute cache expires
+
+
+class RunDirNotShared(RuntimeError):
+    """This rank does not see the run directory rank 0 writes to."""
+
+
+def check_run_dir_shared(store, rank: int, run_dir: str, wait_s: float = SHARED_WAIT_S) -> None:
+    """Every voting rank, once the job's store is up: rank 0 writes a file of its own into the run
+    directory and posts its name; each other rank must see that file. A run directory on a
+    node-local path (/tmp, $TMPDIR, a local scratch disk) would otherwise fail later and far from
+    the cause: the trainer waiting for experience shards that another node wrote to its own disk."""
+    import json
+    import uuid
+
+    if rank == 0:  # (run_dir is the same string on every rank: one config)
+        path = os.path.join(run_dir, "pids", f"shared-{uuid.uuid4().hex[:12]}")
+        with open(path, "w") as f:
+            f.write(this_node())
+        store.set(SHARED_KEY, json.dumps({"path": path, "node": this_node()}))
+        return
+    posted = json.loads(store.get(SHARED_KEY))
+    mine = os.path.join(run_dir, "pids", os.path.basename(posted["path"]))  # the same path, as this node sees it
+    deadline = time.monotonic() + wait_s
+    while not os.path.exists(mine):
+        if time.monotonic() > deadline:
+            raise RunDirNotShared(
+                f"run.output_dir={run_dir} is not shared: rank 0 wrote {posted['path']} on node {posted['node']}, "
+                f"and node {this_node()} (rank {rank}) does not see it after {wait_s:.0f} s. Every node of the job "
+                "must see run.output_dir on one filesystem (Lustre, GPFS, NFS: your project or scratch space); "
+                "node-local paths (/tmp, $TMPDIR, a local disk) are not")
+        time.sleep(0.5)

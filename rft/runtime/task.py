@@ -8,10 +8,7 @@ import traceback
 
 from omegaconf import OmegaConf
 
-
-def pid_path(run_dir: str, rank: int, supervisor: bool = False) -> str:
-    """The rank's process id (kill it to kill the rank), or its supervising task's."""
-    return os.path.join(run_dir, "pids", f"rank{rank}{'.supervisor' if supervisor else ''}.pid")
+from rft.runtime.pulse import pid_path
 
 
 def _roll_back_buffer(cfg, topology, resume) -> None:
@@ -143,14 +140,15 @@ def _rank_main(config: dict, master_port: int) -> dict:
     os.makedirs(os.path.dirname(pid_path(cfg.run.output_dir, topology.rank)), exist_ok=True)
     with open(pid_path(cfg.run.output_dir, topology.rank), "w") as f:
         f.write(str(os.getpid()))
-    from rft.runtime.pulse import start_pulse
+    from rft.runtime.pulse import Pulse
 
-    start_pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
+    pulse = Pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
     print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank}) on "
           f"{this_node()} ({host_address(topology.master_addr)}), "
           f"rank 0 at {topology.master_addr}:{topology.master_port}", flush=True)
     if topology.rank != 0 and topology.master_node:  # fail in seconds, not sync.timeout_s, if it is unreachable
         wait_until_reachable(topology.master_addr, topology.control_port, topology.master_node)
+        pulse.reach = (topology.master_addr, topology.control_port)  # and a partition is named by it
     import torch
 
     # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe
@@ -192,6 +190,18 @@ def _rank_main(config: dict, master_port: int) -> dict:
         # every rank meets here, so no trainer claims experience before the rollback above
         control = ControlGroup(topology, topology.voting_ranks, cfg.sync.timeout_s, topology.member_name,
                                topology.losable_ranks)
+        from rft.runtime.rendezvous import check_run_dir_shared
+
+        check_run_dir_shared(control.store, topology.rank, cfg.run.output_dir)
+        pulses = None
+        if topology.rank == 0 and topology.losable_ranks:  # engines whose node is gone are lost, too
+            import datetime
+
+            from rft.runtime.membership import PulseWatch
+            from rft.runtime.preemption import control_store
+
+            pulses = PulseWatch(control_store(topology, datetime.timedelta(seconds=cfg.sync.timeout_s), client=True),
+                                cfg.run.output_dir, topology.losable_ranks, topology.member_name)
         if topology.role == "trainer":
             from rft.trainer.trainer import run_trainer
 
@@ -203,6 +213,8 @@ def _rank_main(config: dict, master_port: int) -> dict:
             summary = run_explorer(cfg, topology, control, stop, resume)
         # the last meeting: rank 0 hosts the store the engines deal tasks through until every
         # rank is done (the engines' final evaluation comes after the trainer's last step)
+        if pulses is not None:
+            pulses.stop()
         control.any(False)
         if topology.rank == 0:
             control.finish()

@@ -1,14 +1,17 @@
 """Runs that cross a node boundary, on a real two-node Slurm (tools/slurm_local.sh with
 RFT_SLURM_NODES=2: a network namespace, address and hostname per node): the trainer on one node
-and the rollout rank on the other, that rollout node lost mid-run and the run resumed, a TP=2
-trainer split over both nodes, a sweep's runs on different nodes, and a rendezvous that cannot
-work failing in seconds with a message that names what to change."""
+and the rollout rank on the other, that rollout node cut off and then crashed mid-run and the run
+resumed each time, a lost rollout node the run goes on without (rollout.on_engine_failure=continue),
+a TP=2 trainer split over both nodes, a sweep's runs on different nodes, and a rendezvous that
+cannot work failing in seconds with a message that names what to change."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +22,7 @@ from chaos import check_run  # noqa: E402
 
 SCRIPT = os.path.join(REPO, "tools", "slurm_local.sh")
 GRPO = "stages=[{name: grpo, algorithm: {name: grpo}, trainer: {max_steps: 2}}]"
-STEPS, TIMEOUT_S = 10, 30
+STEPS, TIMEOUT_S = 8, 30
 LONG = "stages=[{name: grpo, algorithm: {name: grpo}, trainer: {max_steps: %d}}]" % STEPS
 COMMON = ("+experiment=quickstart", "cluster=slurm", "cluster.wait=true", "cluster.nodes=2", "monitor.progress=false",
           "data.eval_limit=8")
@@ -51,36 +54,51 @@ def _steps_on(env: dict, job_id: str) -> list[str]:
     return rows
 
 
-@pytest.fixture(scope="module")
-def lost_and_resumed(two_nodes, tmp_path_factory) -> dict:
-    """The quickstart's GRPO across two nodes (trainer on node1, rollout on node2, a checkpoint
-    every 2 steps, sync.timeout_s=30). After 4 steps node2 crashes: every process on it is
-    killed at once. Then the node comes back and the same command resumes the run."""
-    run_dir = tmp_path_factory.mktemp("lost") / "run"
-    args = (f"run.output_dir={run_dir}", LONG, "trainer.save_interval=2", f"sync.timeout_s={TIMEOUT_S}")
-    first = subprocess.Popen([sys.executable, "-m", "rft.launch", *COMMON, *args], cwd=REPO, env=two_nodes,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = run_dir / "metrics" / "trainer0.jsonl"
-    for _ in range(600):
-        if metrics.exists() and metrics.read_text().count('"loss/policy"') >= 4:
+def _node_back(env: dict) -> None:
+    """`start` again brings a lost node's slurmd back and a cut link up; Slurm then clears the
+    failed job from the node once that slurmd answers."""
+    subprocess.run(["bash", SCRIPT, "start"], env=env, check=True, capture_output=True)
+    for _ in range(120):
+        if not subprocess.run(["squeue", "-h"], env=env, capture_output=True, text=True).stdout.strip():
+            return
+        time.sleep(1)
+
+
+def _fail_node2_after(env: dict, args: tuple, steps: int, how: str) -> dict:
+    """Launch; once the trainer has logged `steps` steps, `tools/slurm_local.sh <how> 2`; wait for
+    the launcher to end. Its output, exit code and seconds from the fault to its end."""
+    run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("run.output_dir="))
+    launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *COMMON, *args], cwd=REPO, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = os.path.join(run_dir, "metrics", "trainer0.jsonl")
+    for _ in range(1200):
+        if os.path.exists(metrics) and Path(metrics).read_text().count('"loss/policy"') >= steps:
             break
         time.sleep(0.5)
-    lost_at = time.monotonic()
-    subprocess.run(["bash", SCRIPT, "lose-node", "2"], env=two_nodes, check=True)
-    out, _ = first.communicate(timeout=600)
-    failed_after = time.monotonic() - lost_at
-    subprocess.run(["bash", SCRIPT, "start"], env=two_nodes, check=True, capture_output=True)  # node2 is back
-    for _ in range(120):  # Slurm clears the crashed job from node2 once its slurmd answers again
-        if not subprocess.run(["squeue", "-h"], env=two_nodes, capture_output=True, text=True).stdout.strip():
-            break
-        time.sleep(1)
-    resumed = _launch(two_nodes, *args)
-    return {"run_dir": run_dir, "first": out, "first_rc": first.returncode, "failed_after": failed_after,
-            "resumed": resumed}
+    at = time.monotonic()
+    subprocess.run(["bash", SCRIPT, how, "2"], env=env, check=True)
+    out, _ = launcher.communicate(timeout=600)
+    return {"out": " ".join(out.split()), "rc": launcher.returncode, "after": time.monotonic() - at}
 
 
-def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(lost_and_resumed, two_nodes):
-    run_dir, result = lost_and_resumed["run_dir"], lost_and_resumed["resumed"]
+@pytest.fixture(scope="module")
+def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
+    """The quickstart's GRPO across two nodes (trainer on node1, rollout on node2, a checkpoint
+    every 2 steps, sync.timeout_s=30). After 3 steps node2's link goes down (a partition: its
+    processes live on); the link comes back and the same command resumes from step 2. After 5
+    steps node2 crashes (every process on it killed at once); it comes back and the same command
+    resumes the run to its end."""
+    run_dir = tmp_path_factory.mktemp("lost") / "run"
+    args = (f"run.output_dir={run_dir}", LONG, "trainer.save_interval=2", f"sync.timeout_s={TIMEOUT_S}")
+    cut = _fail_node2_after(two_nodes, args, 3, "cut-node")
+    _node_back(two_nodes)
+    crashed = _fail_node2_after(two_nodes, args, 5, "lose-node")
+    _node_back(two_nodes)
+    return {"run_dir": run_dir, "cut": cut, "crashed": crashed, "resumed": _launch(two_nodes, *args)}
+
+
+def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(partitioned_crashed_and_resumed, two_nodes):
+    run_dir, result = partitioned_crashed_and_resumed["run_dir"], partitioned_crashed_and_resumed["resumed"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = " ".join(result.stdout.replace("│", " ").split())
     assert "node 0: rank 0 (trainer) node 1: rank 1 (rollout)" in plan
@@ -93,21 +111,39 @@ def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(lost_a
     assert _steps_on(two_nodes, job_id) == [f"{job_id}.0|node[1-2]|2|COMPLETED"]
 
 
-def test_a_lost_node_is_named_within_the_bound_and_the_run_resumes_losing_nothing(lost_and_resumed):
+def test_a_partitioned_node_is_named_within_the_bound(partitioned_crashed_and_resumed):
+    """node2's link down: its rank lives on, but rank 0's store stops answering it. Its pulse
+    records that, and the launcher names it, its node and its last log lines once that has lasted
+    sync.timeout_s. The bound: sync.timeout_s + 2 x PULSE_S (the pulse's period and its connect
+    timeout) + polling and the cancel."""
+    from rft.runtime.pulse import PULSE_S
+
+    cut = partitioned_crashed_and_resumed["cut"]
+    assert cut["rc"] == 1, cut["out"][-3000:]
+    assert "rank 1 failed: rollout rank 1 lost the network to rank 0: its control store at 10.213.0.11:" in cut["out"]
+    assert "(a network partition: a link, switch or interface down between its node and rank 0's)" in cut["out"]
+    assert "on node node2 (10.213.0.12), which ran rank(s) 1 the job's nodes: node1 (10.213.0.11): rank(s) 0; " \
+           "node2 (10.213.0.12): rank(s) 1 last lines of its log.out:" in cut["out"]
+    assert cut["after"] < TIMEOUT_S + 2 * PULSE_S + 15, cut["after"]
+
+
+def test_a_crashed_node_is_named_within_the_bound_and_the_run_resumes_losing_nothing(partitioned_crashed_and_resumed):
     """The trainer's wait for node2 times out after sync.timeout_s; the launcher then names the
     rank that stopped beating, its node, what else ran there and its last log lines. The bound:
-    sync.timeout_s + 2 x SILENT_S (the pulse's silence that marks a rank gone) + polling."""
+    sync.timeout_s + 2 x SILENT_S (the pulse's silence that marks a rank gone) + polling. After
+    the partition and the crash, the run resumed twice and lost nothing."""
     from rft.runtime.pulse import SILENT_S
 
-    first = " ".join(lost_and_resumed["first"].split())
-    assert lost_and_resumed["first_rc"] == 1, first[-3000:]
-    assert "rank 1 failed: rollout rank 1 stopped responding" in first, first[-3000:]
+    crashed = partitioned_crashed_and_resumed["crashed"]
+    assert crashed["rc"] == 1, crashed["out"][-3000:]
+    assert "rank 1 failed: rollout rank 1 stopped responding" in crashed["out"], crashed["out"][-3000:]
     assert "on node node2 (10.213.0.12), which ran rank(s) 1 the job's nodes: node1 (10.213.0.11): rank(s) 0; " \
-           "node2 (10.213.0.12): rank(s) 1 last lines of its log.out:" in first
-    assert lost_and_resumed["failed_after"] < TIMEOUT_S + 2 * SILENT_S + 15, lost_and_resumed["failed_after"]
-    run_dir = lost_and_resumed["run_dir"]
+           "node2 (10.213.0.12): rank(s) 1 last lines of its log.out:" in crashed["out"]
+    assert crashed["after"] < TIMEOUT_S + 2 * SILENT_S + 15, crashed["after"]
+    run_dir = partitioned_crashed_and_resumed["run_dir"]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
-    assert "resuming from" in logs
+    resumed_at = [int(done) for done in re.findall(r"^resuming from .* \((\d+) steps done\)$", logs, re.MULTILINE)]
+    assert resumed_at[0] == 2 and resumed_at[1] == 4, resumed_at  # after the partition, after the crash
     # every step's experience trained exactly once, every step logged once (tools/chaos.py's checks)
     assert check_run(str(run_dir), STEPS, sft_steps=0, producer=1) == {
         "experience_lost": 0, "experience_extra": 0, "metric_gaps": 0}
@@ -169,3 +205,57 @@ def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, 
             break
         time.sleep(1)
     assert sorted(states) == [f"{array_id}_0|COMPLETED", f"{array_id}_1|COMPLETED"], states
+
+
+def test_with_continue_a_lost_rollout_node_leaves_the_run_on_the_other_nodes_engine(two_nodes, tmp_path):
+    """rollout.on_engine_failure=continue, one trainer and three engines over two nodes: node1
+    runs the trainer and engine 0, node2 engines 1 and 2. node2 crashes after 2 of 6 steps. No
+    supervisor is left there to say so: rank 0 marks both engines lost once their pulses stop,
+    the run finishes on engine 0, every step's tasks are generated (the lost engines' by engine 0)
+    and trained exactly once, and the launcher ends without waiting for Slurm to declare node2 down."""
+    from rft.buffer.shards import ExperienceBuffer
+    from rft.runtime.pulse import SILENT_S
+
+    run_dir, steps = tmp_path / "run", 6
+    args = (f"run.output_dir={run_dir}", LONG.replace(f"max_steps: {STEPS}", f"max_steps: {steps}"),
+            f"sync.timeout_s={TIMEOUT_S}", "cluster.rollout_ranks=3", "rollout.on_engine_failure=continue")
+    try:
+        lost = _fail_node2_after(two_nodes, args, 2, "lose-node")
+    finally:
+        _node_back(two_nodes)
+    out = lost["out"]
+    assert lost["rc"] == 0, out[-3000:]
+    for rank, engine in ((2, 1), (3, 2)):
+        assert f"engine {engine} lost: rank {rank} failed: rollout rank {rank} (engine {engine}) stopped responding" in out
+        assert f"engine lost: rollout rank {rank} (engine {engine}) stopped responding; the run finished on 1 engine(s)" \
+            in out
+    trainer_log = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
+    assert "rft: rollout rank 3 (engine 2) stopped responding: no heartbeat for" in trainer_log
+    assert lost["after"] < 3 * SILENT_S + 60, lost["after"]  # noticed in SILENT_S, then the run's last steps
+
+    shards: dict[int, dict[int, int]] = {}  # step -> producer -> rows
+    for line in (run_dir / "buffer" / "manifest.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        shards.setdefault(entry["step"], {})[entry["producer"]] = entry["rows"]
+    assert sorted(shards) == list(range(steps))  # every step has experience
+    rows = {sum(by_producer.values()) for by_producer in shards.values()}
+    assert len(rows) == 1, shards  # no task lost: the lost engines' tasks were generated by engine 0
+    assert sorted(shards[steps - 1]) == [1], shards  # engine 0 alone at the end
+    assert sorted(shards[0]) == [1, 2, 3], shards
+    consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
+    assert len(consumed) == len(set(consumed)) == sum(len(p) for p in shards.values())  # each shard trained once
+    assert check_run(str(run_dir), steps, sft_steps=0, producer=1)["metric_gaps"] == 0
+
+
+def test_a_run_dir_the_nodes_do_not_share_is_named(two_nodes, tmp_path):
+    """run.output_dir on a node-local path (each node's own tmpfs at $RFT_SLURM_DIR/local, as /tmp
+    on a cluster): the job cannot even write its logs there, and the launcher says why and what
+    to use instead, as soon as Slurm has ended the job."""
+    run_dir = os.path.join(two_nodes["RFT_SLURM_DIR"], "local", "run")
+    started = time.monotonic()
+    result = _launch(two_nodes, f"run.output_dir={run_dir}", GRPO, timeout=300)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, said[-3000:]
+    assert f"it wrote no log into {run_dir}/logs: the job's nodes may not see run.output_dir ({run_dir}). Put it on " \
+           "a filesystem this login node and every compute node share" in said, said[-3000:]
+    assert time.monotonic() - started < 90

@@ -52,3 +52,41 @@ def test_a_lost_tolerated_member_is_left_out_and_a_needed_one_is_named():
     other.join()
     with pytest.raises(MemberLostError, match="engine rank 2 failed: killed by signal 9"):
         Meeting(stores[1], [1, 2], 1, 5.0, lambda r: f"engine rank {r}").post("j", "one")
+
+
+def test_rank_0_marks_lost_the_engines_whose_pulse_stopped_or_who_lost_the_network(tmp_path, monkeypatch):
+    """PulseWatch: an engine whose node crashed (no pulse for 60 s) and one cut off from rank 0
+    (its `.cut` record says 30 s) are marked lost in the store, with how; a beating engine is not;
+    nothing is marked once stopped (ranks that finish stop beating too)."""
+    import json
+    import os
+    import time
+
+    from rft.runtime import pulse
+    from rft.runtime.membership import PulseWatch, lost_ranks
+    from rft.runtime.pulse import pid_path
+
+    for rank, ago in ((1, 1), (2, 60), (3, 1), (4, 60)):
+        path = pid_path(str(tmp_path), rank)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        open(path, "w").close()
+        os.utime(path, (time.time() - ago, time.time() - ago))
+    with open(pulse.cut_path(pid_path(str(tmp_path), 3)), "w") as f:
+        json.dump({"address": "10.0.0.1:20001", "for_s": 30.0, "error": "timed out"}, f)
+    monkeypatch.setattr(pulse, "PULSE_S", 0.05)
+    stores = _stores(2)
+    watch = PulseWatch(stores[1], str(tmp_path), frozenset({1, 2, 3}), lambda r: f"rollout rank {r}")
+    deadline = time.monotonic() + 10
+    while len(lost_ranks(stores[0], [1, 2, 3, 4])) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    watch.stop()
+    lost = lost_ranks(stores[0], [1, 2, 3, 4])
+    assert sorted(lost) == [2, 3]  # 4 is silent but not watched (not an engine the run may lose)
+    assert lost[2].startswith("rollout rank 2 stopped responding: no heartbeat for 6")
+    assert lost[3] == "rollout rank 3 lost the network to rank 0: its control store at 10.0.0.1:20001 has not " \
+                      "answered it for 30 s"
+    os.utime(pid_path(str(tmp_path), 1), (time.time() - 60, time.time() - 60))
+    time.sleep(0.3)
+    assert sorted(lost_ranks(stores[0], [1, 2, 3])) == [2, 3]  # stopped: rank 1 going quiet is not a loss
+    while stores:
+        stores.pop()

@@ -43,3 +43,27 @@ def test_the_loopback_is_refused_only_for_a_rank_0_on_another_node(monkeypatch):
 
 def test_gloo_binds_the_interface_that_reaches_the_address():
     assert interface_towards("127.0.0.1") == "lo"
+
+
+def test_a_run_dir_another_node_does_not_see_is_named_with_the_fix(tmp_path, monkeypatch):
+    """check_run_dir_shared through a real TCPStore: rank 0 writes into its run directory; a rank
+    that sees the same directory passes, one whose path is another directory (a node-local /tmp)
+    fails naming both nodes, the path and what to use instead."""
+    from rft.runtime.rendezvous import RunDirNotShared, check_run_dir_shared
+    from tests.unit.test_dealer import _stores
+
+    shared, local = tmp_path / "shared", tmp_path / "local"
+    for run_dir in (shared, local):
+        (run_dir / "pids").mkdir(parents=True)
+    stores = _stores(2)
+    monkeypatch.setenv("SLURMD_NODENAME", "node1")
+    check_run_dir_shared(stores[0], 0, str(shared))
+    monkeypatch.setenv("SLURMD_NODENAME", "node2")
+    check_run_dir_shared(stores[1], 1, str(shared), wait_s=1)  # the same filesystem
+    with pytest.raises(RunDirNotShared) as err:
+        check_run_dir_shared(stores[1], 1, str(local), wait_s=1)
+    said = str(err.value)
+    assert said.startswith(f"run.output_dir={local} is not shared: rank 0 wrote {shared}/pids/shared-")  # (its path)
+    assert "on node node1, and node node2 (rank 1) does not see it after 1 s" in said and "node-local paths" in said
+    while stores:
+        stores.pop()

@@ -42,7 +42,7 @@ def test_a_vanished_rank_without_a_result_is_reported(tmp_path):
 
 
 def _pulse(run_dir, rank, seconds_ago):
-    from rft.runtime.task import pid_path
+    from rft.runtime.pulse import pid_path
 
     path = pid_path(str(run_dir), rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -62,7 +62,8 @@ def test_a_rank_silent_while_its_peers_beat_is_named_as_stopped(tmp_path):
     alive = lambda rank: True  # noqa: E731  (a stopped process lives)
     assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60) == (1, pytest.approx(90, abs=2))
     assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 120) is None  # not silent that long yet
-    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60, besides=1) is None
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60, besides={1}) is None
+    assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60, among={0, 2}) is None  # only these watched
     assert silent_rank(str(tmp_path), str(logs), "5", 3, lambda rank: rank != 1, 60) is None  # it ended: not stopped
     _result(logs, "5", 1, "ValueError: x", time.time())
     assert silent_rank(str(tmp_path), str(logs), "5", 3, alive, 60) is None  # it reported: not stopped
@@ -75,3 +76,17 @@ def test_a_rank_silent_while_its_peers_beat_is_named_as_stopped(tmp_path):
     assert said.rank == 1 and said.log_path == os.path.join(logs, "5_1_log.err")
     assert said.reason.startswith("trainer rank 1 stopped responding: no heartbeat for 90 s")
     assert said.reason.endswith("rank 2 then failed: " + then.reason)
+
+
+def test_a_slurm_rank_that_wrote_no_log_points_at_an_unshared_run_dir(tmp_path, monkeypatch):
+    """A Slurm job whose nodes do not see run.output_dir cannot even open its log there: a rank
+    gone without a result and without a log names that as the likely cause; one with a log does not."""
+    from rft.launch import failures
+
+    monkeypatch.setattr(failures, "slurm_job_state", lambda job_id: "FAILED, exit code 1:0")
+    failure = find_failure(str(tmp_path), str(tmp_path), "79", 1, alive=lambda rank: False, on_slurm=True)
+    assert failure is not None and "Slurm: job 79 FAILED, exit code 1:0; it wrote no log into" in failure.reason
+    assert f"run.output_dir ({tmp_path})" in failure.reason and "not on a node-local path such as /tmp" in failure.reason
+    (tmp_path / "79_0_log.out").write_text("submitit INFO - Starting\n")
+    failure = find_failure(str(tmp_path), str(tmp_path), "79", 1, alive=lambda rank: False, on_slurm=True)
+    assert failure is not None and "wrote no log" not in failure.reason

@@ -100,14 +100,17 @@ def test_sbatch_script_matches_golden(tmp_path, monkeypatch, profile, golden):
 def test_with_continue_a_lost_engines_task_does_not_end_the_others(tmp_path, monkeypatch):
     _srun_on_path(tmp_path, monkeypatch)
     cfg = _two_engines_profile(tmp_path)
-    srun_lines = {}
+    srun_lines, scripts = {}, {}
     for policy in ("fail", "continue"):
         cfg.rollout.on_engine_failure = policy
         executor = make_executor(cfg, str(tmp_path / "logs"))
-        script = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
-        srun_lines[policy] = next(line for line in script.splitlines() if line.startswith("srun "))
+        scripts[policy] = executor._make_submission_file_text(executor._submitit_command_str, "JOBID")
+        srun_lines[policy] = next(line for line in scripts[policy].splitlines() if line.startswith("srun "))
     assert "--kill-on-bad-exit=0" in srun_lines["continue"]  # whatever the site's KillOnBadExit
     assert "kill-on-bad-exit" not in srun_lines["fail"]  # fail fast: the site's default stands
+    # a node that fails ends neither the job nor its step (Slurm's default ends both)
+    assert "#SBATCH --no-kill\n" in scripts["continue"] and " --no-kill " in srun_lines["continue"]
+    assert "no-kill" not in scripts["fail"]
 
 
 def test_two_engines_of_tp4_share_the_second_node(tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
     python tools/bench_trainer.py [--model tiny|smollm2_135m|PATH|tools/configs/qwen2_0.5b.json]
         [--dtype bfloat16] [--rows 64] [--prompt-len 128] [--response-len 384] [--budget 8192]
         [--micro-batch 8] [--steps 5] [--peak-tflops 989] [--recompute none] [--transformer-impl auto]
+        [--logprob-chunk 2048]
 
 The GPU path's truth (rft/trainer/optimizer.py, megatron_optimizer.py): on CUDA the step runs
 megatron-core's DDP and optimizer with fp32 master weights, the model in `--dtype`; on CPU the
@@ -13,7 +14,9 @@ random weights (no download: tools/configs/qwen2_0.5b.json and qwen2_1.5b.json a
 and -1.5B's shapes; tools/gpu_truth.sh runs the settings the README reports). One warm-up
 step, then `--steps` timed ones. MFU counts 6 x parameters x tokens per step (the dense matmuls;
 attention is left out, so it understates long sequences) against `--peak-tflops` (H100 SXM and
-H200 dense bf16: 989). Prints a row per step; the last line is one JSON object.
+H200 dense bf16: 989). `--logprob-chunk` is trainer.logprob_chunk (0: whole logits). Peak memory:
+the GPU's allocator peak, or on CPU the process's peak resident size. Prints a row per step; the
+last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import tempfile
@@ -59,6 +63,8 @@ def main() -> None:
     parser.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     parser.add_argument("--transformer-impl", default="auto", choices=["auto", "local", "transformer_engine"],
                         help="trainer.transformer_impl: auto = Transformer Engine where it imports on a GPU")
+    parser.add_argument("--logprob-chunk", type=int, default=2048,
+                        help="trainer.logprob_chunk: positions per chunk of the fused output layer (0: whole logits)")
     args = parser.parse_args()
 
     import torch.distributed as dist
@@ -77,7 +83,8 @@ def main() -> None:
     init_model_parallel(1, seed=0)
     model_dir = resolve_model(args.model, tempfile.mkdtemp(prefix="bench_trainer_"))
     layers = resolve_transformer_impl(args.transformer_impl, lora=False)
-    model, geo = build_gpt_model(model_dir, args.dtype, recompute=args.recompute, transformer_impl=layers)
+    model, geo = build_gpt_model(model_dir, args.dtype, recompute=args.recompute, transformer_impl=layers,
+                                 logprob_chunk=args.logprob_chunk)
     load_hf_weights(model, load_hf_state(model_dir), geo)
     params = sum(p.numel() for p in model.parameters())
     optimizer = build_optimizer(model, lr=1e-6)
@@ -103,10 +110,11 @@ def main() -> None:
     print(json.dumps({
         "model": args.model, "params": params, "dtype": args.dtype, "device": "cuda" if on_gpu else "cpu",
         "optimizer": type(optimizer).__name__, "rows": args.rows, "tokens_per_step": tokens, "budget": args.budget,
-        "recompute": args.recompute, "layers": layers, "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "recompute": args.recompute, "layers": layers, "logprob_chunk": args.logprob_chunk, "step_s": step_s, "tokens_per_s": tokens / step_s,
         "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
-        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None}))
+        "peak_memory_gb": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else
+        resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}))
 
 
 if __name__ == "__main__":

@@ -295,6 +295,9 @@ def validate(cfg: RFTConfig) -> None:
         if trainer.max_tokens_per_microbatch < 0:
             config_error(f"{prefix}trainer.max_tokens_per_microbatch", trainer.max_tokens_per_microbatch,
                          "use 0 (microbatches of trainer.micro_batch_size padded rows) or a token budget, e.g. 4096")
+        if trainer.logprob_chunk < 0:
+            config_error(f"{prefix}trainer.logprob_chunk", trainer.logprob_chunk,
+                         "use 0 (whole logits) or positions per chunk of the fused output layer, e.g. 2048")
         if trainer.lora.rank < 0:
             config_error(f"{prefix}trainer.lora.rank", trainer.lora.rank, "use 0 (no adapters) or a rank, e.g. 16")
         if trainer.lora.rank:

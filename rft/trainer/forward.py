@@ -211,7 +211,40 @@ def _output_layer_at(model, positions: torch.Tensor | None):
         handle.remove()
 
 
-def model_forward(model, mb: Microbatch, response_only: bool = False) -> torch.Tensor:
+@contextmanager
+def _fused_output_layer(model, targets: torch.Tensor, chunk: int, with_entropy: bool):
+    """While open, the model's output layer returns, instead of logits, each position's (logprob
+    of `targets`, entropy) [n, 1, 2], computed `chunk` positions at a time
+    (rft/trainer/chunked_logprob.py): the model returns [1, n, 2] and no [n, V/tp] logits exist.
+    Its input is what `_output_layer_at` selected; under TP it enters as Megatron's column-parallel
+    layer takes it (identity forward, its gradient all-reduced)."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from rft.trainer.chunked_logprob import chunked_logprobs
+
+    layer = model.output_layer
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
+
+    def fused(hidden: torch.Tensor, weight: torch.Tensor | None = None, runtime_gather_output=None):
+        weight = layer.weight if weight is None else weight  # (tied embeddings: the embedding's)
+        hidden = hidden.squeeze(1) if tp == 1 else copy_to_tensor_model_parallel_region(hidden.squeeze(1))
+        logprobs, entropy = chunked_logprobs(
+            hidden, weight, targets, vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
+            real_vocab=getattr(model, "real_vocab_size", None), group=group, chunk=chunk, with_entropy=with_entropy)
+        entropy = torch.zeros_like(logprobs) if entropy is None else entropy
+        return torch.stack([logprobs, entropy], dim=-1)[:, None], None
+
+    layer.forward = fused  # an instance attribute: nn.Module.__call__ still runs the selecting hook first
+    try:
+        yield
+    finally:
+        del layer.forward
+
+
+def model_forward(model, mb: Microbatch, response_only: bool = False, fused_chunk: int = 0,
+                  with_entropy: bool = True) -> torch.Tensor:
     """Logits [b, s, V/tp] on the last pipeline stage, hidden states [s, b, h] on the others.
     `response_only`: logits at `mb.response_targets` alone, [1, targets, V/tp]. On SmolLM2's 49k
     vocabulary the output layer is a fifth of the model's multiply-adds per position, and a
@@ -220,15 +253,25 @@ def model_forward(model, mb: Microbatch, response_only: bool = False) -> torch.T
 
     Columns of the vocabulary padding (Megatron pads it to a multiple of TP) get a logit that
     no softmax sees, so probabilities are over the model's real vocabulary, as in HF and vLLM.
+
+    `fused_chunk` > 0 (with `response_only`): the output layer, the logprobs of the response
+    targets and their entropy in chunks of that many positions; returns [1, targets, 2]
+    (logprob, entropy) instead of logits (`_fused_output_layer`).
     """
+    from contextlib import nullcontext
+
     from megatron.core import parallel_state
 
-    with _output_layer_at(model, mb.response_targets if response_only else None), replaying(model, mb.expert_routes):
+    fused = fused_chunk > 0 and response_only and model.post_process
+    output_layer = _fused_output_layer(model, response_tokens(mb), fused_chunk, with_entropy) if fused \
+        else nullcontext()
+    with _output_layer_at(model, mb.response_targets if response_only else None), output_layer, \
+            replaying(model, mb.expert_routes):
         # attention is causal by construction (rft/trainer/attention.py): no mask to build or pass
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
                     packed_seq_params=mb.packed_seq_params)
     real_vocab = getattr(model, "real_vocab_size", None)
-    if not model.post_process or real_vocab is None:
+    if not model.post_process or real_vocab is None or fused:
         return out
     local = out.shape[-1]
     start = parallel_state.get_tensor_model_parallel_rank() * local
@@ -252,15 +295,26 @@ def logprobs_from_logits(logits: torch.Tensor, mb: Microbatch, with_entropy: boo
         logprobs, entropy = vocab_parallel_logprobs(logits[:, :-1], mb.input_ids[:, 1:], group, vocab_start,
                                                     with_entropy)
         return mb.rows(logprobs), None if entropy is None else mb.rows(entropy)
-    targets = mb.input_ids.reshape(-1)[mb.response_targets + 1]  # the token each position predicts
-    logprobs, entropy = vocab_parallel_logprobs(logits, targets[None], group, vocab_start, with_entropy)
+    logprobs, entropy = vocab_parallel_logprobs(logits, response_tokens(mb)[None], group, vocab_start, with_entropy)
+    return per_target(mb, logprobs[0]), None if entropy is None else per_target(mb, entropy[0])
 
-    def per_target(values: torch.Tensor) -> torch.Tensor:  # [1, targets] -> [sequences, longest - 1]
-        b, s = mb.input_ids.shape
-        full = values.new_zeros(b * s).index_put((mb.response_targets,), values[0])
-        return mb.rows(full.view(b, s)[:, :-1])
 
-    return per_target(logprobs), None if entropy is None else per_target(entropy)
+def response_tokens(mb: Microbatch) -> torch.Tensor:
+    """The token each of `mb.response_targets` predicts."""
+    return mb.input_ids.reshape(-1)[mb.response_targets + 1]
+
+
+def per_target(mb: Microbatch, values: torch.Tensor) -> torch.Tensor:
+    """Values at `mb.response_targets` [targets] -> the padded layout [sequences, longest - 1], 0 elsewhere."""
+    b, s = mb.input_ids.shape
+    full = values.new_zeros(b * s).index_put((mb.response_targets,), values)
+    return mb.rows(full.view(b, s)[:, :-1])
+
+
+def fused_logprobs(out: torch.Tensor, mb: Microbatch, with_entropy: bool = True
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """What logprobs_from_logits gives, from model_forward's fused output [1, targets, 2]."""
+    return per_target(mb, out[0, :, 0]), per_target(mb, out[0, :, 1]) if with_entropy else None
 
 
 def forward_logprobs(model, mb: Microbatch, with_entropy: bool = True

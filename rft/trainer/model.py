@@ -104,8 +104,10 @@ RECOMPUTE = {  # trainer.recompute -> TransformerConfig keywords: activations re
 
 def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool | None = None,
                     recompute: str = "none", sequence_parallel: bool = False, transformer_impl: str = "local",
-                    moe_aux_loss_coeff: float | None = None):
+                    moe_aux_loss_coeff: float | None = None, logprob_chunk: int = 0):
     """A GPTModel shaped like the HF model at `hf_path` (weights not loaded). Returns (model, geometry).
+    `logprob_chunk` (trainer.logprob_chunk) > 0: the policy's logprobs come from the output layer
+    chunk by chunk of that many positions (rft/trainer/chunked_logprob.py).
 
     `tie_embeddings` overrides the HF config's tying (None: as the HF model); the critic is built
     untied so its output layer (a value head) is its own and the PP embedding group leaves it alone.
@@ -211,6 +213,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
             vp_stage=vp_stage,
         )
         chunk.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
+        chunk.logprob_chunk = logprob_chunk  # read by the policy's head (pipeline.policy_head)
         if geo.rope_type != "default":  # scaled RoPE: transformers' frequencies, not megatron-core's
             # variants of them (its llama3 scaling fixes the original context at 8192, for one)
             chunk.rotary_pos_emb.inv_freq = inv_freq.to(chunk.rotary_pos_emb.inv_freq.device)

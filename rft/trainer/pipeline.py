@@ -24,6 +24,7 @@ import torch
 
 from rft.trainer.forward import (
     Microbatch,
+    fused_logprobs,
     logprobs_from_logits,
     model_forward,
     sequence_multiple,
@@ -42,19 +43,31 @@ Head = Callable[[torch.Tensor, Microbatch], tuple]
 
 class LogprobsHead:
     """The policy's head: per-target logprobs of the response tokens and their entropy (unless
-    not `with_entropy`), from logits computed at the response targets alone."""
+    not `with_entropy`), from logits computed at the response targets alone; with `chunk` > 0
+    (trainer.logprob_chunk), computed by the output layer itself chunk by chunk of positions
+    (rft/trainer/chunked_logprob.py), so no whole logits exist."""
 
     response_only = True  # (False: logits at every position, as before; tests compare the two)
 
-    def __init__(self, with_entropy: bool = True):
-        self.with_entropy = with_entropy
+    def __init__(self, with_entropy: bool = True, chunk: int = 0):
+        self.with_entropy, self.chunk = with_entropy, chunk
 
-    def __call__(self, logits: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return logprobs_from_logits(logits, mb, self.with_entropy, response_only=self.response_only)
+    def __call__(self, out: torch.Tensor, mb: Microbatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.chunk > 0 and self.response_only:
+            return fused_logprobs(out, mb, self.with_entropy)
+        return logprobs_from_logits(out, mb, self.with_entropy, response_only=self.response_only)
+
+
+def policy_head(model, with_entropy: bool = True) -> LogprobsHead:
+    """The policy's head with the model's trainer.logprob_chunk (set on its chunks when built)."""
+    from rft.trainer.model import model_chunks
+
+    return LogprobsHead(with_entropy, getattr(model_chunks(model)[0], "logprob_chunk", 0))
 
 
 def _run_model(model, mb: Microbatch, head) -> torch.Tensor:
-    return model_forward(model, mb, response_only=getattr(head, "response_only", False))
+    return model_forward(model, mb, response_only=getattr(head, "response_only", False),
+                         fused_chunk=getattr(head, "chunk", 0), with_entropy=getattr(head, "with_entropy", True))
 
 
 _ONE = torch.ones((), dtype=torch.int)  # the "token count" handed to Megatron with an already normalised loss
@@ -115,7 +128,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
 
     from rft.trainer.model import model_chunks
 
-    head = head or LogprobsHead(with_entropy)
+    head = head or policy_head(model, with_entropy)
     if model_chunks(model)[0].config.num_moe_experts:
         # the tokens this rank's routers see: under sequence parallelism 1/TP of each microbatch
         routed = sum(mb.input_ids.numel() for mb in mbs) // sequence_multiple(model)
@@ -129,7 +142,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
 
 def forward_logprobs_pipelined(model, mbs: list[Microbatch]) -> list[torch.Tensor] | None:
     """Per-target logprobs of each microbatch; returned on the last stage, None elsewhere."""
-    out = forward_pipelined(model, mbs, LogprobsHead(with_entropy=False))
+    out = forward_pipelined(model, mbs, policy_head(model, with_entropy=False))
     return None if out is None else [logprobs for logprobs, _ in out]
 
 

@@ -60,7 +60,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
         print(f"rft: trainer layers: {why_these_layers(cfg.trainer.transformer_impl, lora, layers)}", flush=True)
     model, geo = build_gpt_model(cfg.model.path, cfg.model.dtype, recompute=cfg.trainer.recompute,
                                  sequence_parallel=cfg.trainer.sequence_parallel, transformer_impl=layers,
-                                 moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff)
+                                 moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff,
+                                 logprob_chunk=cfg.trainer.logprob_chunk)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
@@ -179,7 +180,8 @@ class Learner:
             # Megatron modules hold process groups, so build a twin and copy the weights rather than deepcopy
             self.ref_model, _ = build_gpt_model(cfg.model.path, cfg.model.dtype,
                                                 sequence_parallel=cfg.trainer.sequence_parallel,
-                                                transformer_impl=self.model.config.transformer_impl)
+                                                transformer_impl=self.model.config.transformer_impl,
+                                                logprob_chunk=cfg.trainer.logprob_chunk)
             self.ref_model.load_state_dict(self.model.state_dict())
             self.ref_model.eval().requires_grad_(False)
             track("ref_model", ShardedModel(self.ref_model), restore=stage.resumed)

@@ -32,9 +32,53 @@ def _worker(rank: int, world: int, tp: int, port: int, model_dir: str, out: str)
         group = parallel_state.get_tensor_model_parallel_group() if tp > 1 else None
         vocab_start = parallel_state.get_tensor_model_parallel_rank() * local.shape[-1]
         logprobs, entropy = vocab_parallel_logprobs(local[:, :-1], ids[:, 1:], group, vocab_start)
+    fused = _fused_output_layer(model, ids, tp, group)
     if rank == 0:
-        torch.save({"logits": full, "logprobs": logprobs, "entropy": entropy}, out)
+        torch.save({"logits": full, "logprobs": logprobs, "entropy": entropy, **fused}, out)
     dist.destroy_process_group()
+
+
+HIDDEN, VOCAB, PADDED_VOCAB, POSITIONS = 8, 13, 16, 11  # the chunked case's shapes: 3 padding columns
+
+
+def chunked_case() -> tuple[torch.Tensor, ...]:
+    """hidden [n, h], a padded output weight [V + 3, h], targets, and the weights of logprob and
+    entropy in the loss whose gradients are compared."""
+    gen = torch.Generator().manual_seed(3)
+    return (torch.randn(POSITIONS, HIDDEN, generator=gen), torch.randn(PADDED_VOCAB, HIDDEN, generator=gen),
+            torch.randint(0, VOCAB, (POSITIONS,), generator=gen), torch.randn(POSITIONS, generator=gen),
+            torch.randn(POSITIONS, generator=gen))
+
+
+def _fused_output_layer(model, ids: torch.Tensor, tp: int, group) -> dict:
+    """trainer.logprob_chunk at this TP: the model's fused output layer (logprobs of the response
+    tokens, chunk by chunk of 3 positions), and chunked_logprobs' values and gradients on a
+    vocab-parallel weight (3 padding columns) through Megatron's copy to the TP region."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    from rft.trainer.chunked_logprob import chunked_logprobs
+    from rft.trainer.forward import fused_logprobs, model_forward, pack_microbatch
+
+    seqs = ids.tolist()
+    mb = pack_microbatch([s[:4] for s in seqs], [s[4:] for s in seqs], 0, torch.device("cpu"))
+    with torch.no_grad():
+        model_lp, model_ent = fused_logprobs(model_forward(model, mb, response_only=True, fused_chunk=3), mb)
+    result = {"model_fused": (model_lp, model_ent, mb.loss_mask)}
+    for chunk in (4, POSITIONS):  # three chunks, recomputed in backward; one, kept
+        hidden, weight, targets, a, b = chunked_case()
+        hidden.requires_grad_(True)
+        rows = PADDED_VOCAB // tp
+        start = parallel_state.get_tensor_model_parallel_rank() * rows
+        local = weight[start:start + rows].clone().requires_grad_(True)
+        into = copy_to_tensor_model_parallel_region(hidden) if tp > 1 else hidden
+        lp, ent = chunked_logprobs(into, local, targets, vocab_start=start, real_vocab=VOCAB, group=group, chunk=chunk)
+        (lp * a + ent * b).sum().backward()
+        shards = [torch.empty_like(local.grad) for _ in range(tp)]
+        dist.all_gather(shards, local.grad, group=group)
+        result[f"chunked_{chunk}"] = (lp.detach(), ent.detach(), hidden.grad, torch.cat(shards))
+    return result
 
 
 def _run(world: int, tp: int, model_dir: str, out: str) -> dict:
@@ -48,9 +92,15 @@ def tiny_model(tmp_path_factory) -> str:
     return create_tiny_model(TinyModelConfig(), str(path), seed=0)
 
 
-def test_tp2_logits_equal_tp1_and_transformers(tiny_model, tmp_path):
-    tp1 = _run(1, 1, tiny_model, str(tmp_path / "tp1.pt"))
-    tp2 = _run(2, 2, tiny_model, str(tmp_path / "tp2.pt"))
+@pytest.fixture(scope="module")
+def runs(tiny_model, tmp_path_factory) -> tuple[dict, dict]:
+    """What one rank at TP=1 and rank 0 of two gloo ranks at TP=2 computed."""
+    out = tmp_path_factory.mktemp("tp")
+    return _run(1, 1, tiny_model, str(out / "tp1.pt")), _run(2, 2, tiny_model, str(out / "tp2.pt"))
+
+
+def test_tp2_logits_equal_tp1_and_transformers(tiny_model, runs):
+    tp1, tp2 = runs
     assert (tp2["logits"] - tp1["logits"]).abs().max().item() <= 1e-5
     assert (tp2["logprobs"] - tp1["logprobs"]).abs().max().item() <= 1e-5
     assert (tp2["entropy"] - tp1["entropy"]).abs().max().item() <= 1e-5
@@ -67,3 +117,29 @@ def test_tp2_logits_equal_tp1_and_transformers(tiny_model, tmp_path):
     assert (tp2["logprobs"] - picked).abs().max().item() <= 1e-4
     ent = -(full_logp.exp() * full_logp).sum(-1)
     assert (tp2["entropy"] - ent).abs().max().item() <= 1e-4
+
+
+def test_the_chunked_output_layer_at_tp2_gives_tp1s_whole_logits_values_and_gradients(runs):
+    """trainer.logprob_chunk over a vocabulary split across two gloo ranks: the model's fused
+    output layer gives the logprobs and entropy of whole logits, and chunked_logprobs' values and
+    gradients (hidden and weight) equal autograd's through whole fp32 logits at TP=1."""
+    tp1, tp2 = runs
+    response = slice(3, len(SEQUENCES[0]) - 1)  # the response's targets: positions 3.. predict tokens 4..
+    for run in (tp1, tp2):
+        lp, ent, _ = run["model_fused"]
+        assert (lp[:, response] - tp1["logprobs"][:, response]).abs().max() <= 1e-5
+        assert (ent[:, response] - tp1["entropy"][:, response]).abs().max() <= 1e-5
+        assert (lp[:, :3] == 0).all()  # no logits at the prompt's targets
+
+    hidden, weight, targets, a, b = chunked_case()
+    hidden.requires_grad_(True)
+    weight.requires_grad_(True)
+    logits = (hidden @ weight.t()).masked_fill(torch.arange(PADDED_VOCAB) >= VOCAB, float("-inf"))
+    logp = torch.log_softmax(logits[:, :VOCAB], dim=-1)
+    lp, ent = logp.gather(-1, targets[:, None]).squeeze(-1), -(logp.exp() * logp).sum(-1)
+    (lp * a + ent * b).sum().backward()
+    for run in (tp1, tp2):
+        for chunk in (4, POSITIONS):
+            for got, want in zip(run[f"chunked_{chunk}"], (lp, ent, hidden.grad, weight.grad)):
+                torch.testing.assert_close(got, want.detach(), atol=1e-5, rtol=1e-5, msg=f"chunk {chunk}")
+    assert tp2["chunked_4"][3][VOCAB:].abs().max() == 0  # the padding columns get no gradient

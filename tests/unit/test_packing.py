@@ -75,6 +75,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
             metrics = train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget)
             res[f"step_{agg}_{budget}"] = (metrics, optimizer.grads)
     _dpo_steps(model, model_dir, geo, res)
+    _fused_logprob_steps(model, batch, res)
     LogprobsHead.response_only = False  # the policy's logits at every position, as before
     optimizer = CapturingOptimizer(model)
     algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", entropy_coef=0.01)
@@ -82,6 +83,28 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     res["step_every_position"] = (metrics, optimizer.grads)
     torch.save(res, out)
     dist.destroy_process_group()
+
+
+def _fused_logprob_steps(model, batch, res: dict) -> None:
+    """trainer.logprob_chunk = 4: the output layer, logprobs and entropy 4 positions at a time
+    (rft/trainer/chunked_logprob.py), padded and packed, with an entropy bonus in the loss."""
+    from rft.config import AlgorithmConfig
+    from rft.trainer.forward import fused_logprobs, model_forward, pack_microbatch
+    from rft.trainer.model import model_chunks
+    from rft.trainer.train_step import train_step
+
+    for chunk in model_chunks(model):
+        chunk.logprob_chunk = 4
+    with torch.no_grad():
+        mb = pack_microbatch(PROMPTS, RESPONSES, 0, torch.device("cpu"), MASKS)
+        res["fused_forward"] = fused_logprobs(model_forward(model, mb, response_only=True, fused_chunk=4), mb)
+    algo = AlgorithmConfig(advantage="grpo", policy_loss="ppo", loss_agg="token-mean", entropy_coef=0.01)
+    for budget in (0, BUDGET):
+        optimizer = CapturingOptimizer(model)
+        res[f"fused_step_{budget}"] = (train_step(model, optimizer, batch, algo, 2, 0, max_tokens_per_microbatch=budget),
+                                       optimizer.grads)
+    for chunk in model_chunks(model):
+        chunk.logprob_chunk = 0
 
 
 def _dpo_steps(model, model_dir: str, geo, res: dict) -> None:
@@ -145,6 +168,23 @@ def test_logits_at_the_response_targets_alone_give_what_every_positions_gave(run
         assert response_only[key] == pytest.approx(every[key], abs=1e-6), key
     for name, grad in every_grads.items():
         torch.testing.assert_close(grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("budget", [0, BUDGET])
+def test_the_chunked_output_layer_gives_the_logprobs_entropy_and_gradients_of_whole_logits(run, budget):
+    """trainer.logprob_chunk: logits 4 positions at a time, recomputed in backward, never whole;
+    the same logprobs, entropy, losses and gradients as from whole logits (padded and packed)."""
+    lp, ent, mask, _ = run["forward_False"]
+    fused_lp, fused_ent = run["fused_forward"]
+    torch.testing.assert_close(fused_lp, lp, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(fused_ent, ent, atol=1e-6, rtol=1e-6)
+    (whole, whole_grads), (fused, fused_grads) = run[f"step_token-mean_{budget}"], run[f"fused_step_{budget}"]
+    for key in ("loss/policy", "actor/entropy", "actor/clipfrac", "train/tokens"):
+        assert fused[key] == pytest.approx(whole[key], abs=1e-6), key
+    assert fused_grads.keys() == whole_grads.keys()
+    for name, grad in whole_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, atol=1e-6, rtol=1e-5, msg=name)
+    assert fused_grads["output_layer.weight"].abs().sum() > 0
 
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])

@@ -1,15 +1,19 @@
 """Seconds per GRPO step of rft against TRL's GRPOTrainer, on the same workload in the same run.
 
     python tools/bench_grpo_step.py [--model smollm2_135m|PATH] [--prompts 8] [--samples 4]
-        [--max-new 64] [--reward exact_match|math_verify] [--steps 6] [--lr 1e-6] [--no-trl | --no-rft]
-        [--out DIR] [rft overrides ...]
+        [--max-new 64] [--reward exact_match|math_verify|partial] [--steps 6] [--lr 1e-6] [--bf16]
+        [--no-trl | --no-rft] [--out DIR] [rft overrides ...]
 
 The workload: an instruct model in fp32 (default SmolLM2-135M-Instruct, after
 `python tools/prepare_smollm2.py`), `--prompts` "a+b=" prompts per step with `--samples` samples
 each (the GRPO group), at most `--max-new` new tokens, a reward on the sum (`--reward`: rft's
-`exact_match`, the first line is the sum, or `math_verify`, the final number in the response is;
-TRL's run calls the same function); one step = generate + reward + train + weight sync into the
-generator.
+`exact_match`, the first line is the sum, or `math_verify`, the final number in the response is,
+or `partial`: partial credit, 1 - |first number - sum| / sum, floored at 0, so the samples of a
+group differ and every row trains; TRL's run calls the same function); one step = generate +
+reward + train + weight sync into the generator. `--bf16`: mixed precision on both sides, bf16
+matmuls with fp32 master weights (rft: `model.dtype=bfloat16`, its trainer keeps fp32 masters
+and vLLM generates in bf16; TRL: `bf16=True`, autocast over fp32 weights); on CPUs with AMX or
+avx512_bf16 both run their matmuls there.
 
 rft: the real launcher (`cluster=local`: one Megatron trainer rank and one vLLM rank, synchronous),
 a GRPO stage of `--steps` steps (trailing arguments are further launcher overrides, e.g.
@@ -63,16 +67,38 @@ def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:
     return rows
 
 
+def partial_sum(trajectory, task) -> float:
+    """Partial credit for "a+b=": 1 - |first number of the response - a+b| / (a+b), at least 0."""
+    return partial_credit(trajectory.response, task.answer)
+
+
+def partial_credit(response: str, answer: str) -> float:
+    import re
+
+    found = re.search(r"-?\d+", response)
+    if found is None:
+        return 0.0
+    return max(0.0, 1.0 - abs(int(found.group()) - int(answer)) / int(answer))
+
+
+def rft_reward(name: str) -> str:
+    """`algorithm.reward` for --reward (the ranks import this module: tools/ is put on PYTHONPATH)."""
+    return "bench_grpo_step.partial_sum" if name == "partial" else name
+
+
 def rft_steps(model_dir: str, tasks: str, args, out: str) -> list[tuple[int, dict[str, float]]]:
     """Run the GRPO stage through the launcher; each step's time split, from the ranks' metrics."""
     cmd = [sys.executable, "-m", "rft.launch", "cluster=local", "model=smollm2_135m", f"model.path={model_dir}",
-           f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo", f"algorithm.reward={args.reward}",
+           f"run.output_dir={out}", f"data.train_path={tasks}", "algorithm=grpo",
+           f"algorithm.reward={rft_reward(args.reward)}", *(["model.dtype=bfloat16"] if args.bf16 else []),
            f"algorithm.group_size={args.samples}", f"algorithm.lr={args.lr}", "algorithm.kl_coef=0.0",
            f"rollout.tasks_per_step={args.prompts}", f"rollout.max_new_tokens={args.max_new}",
            f"trainer.max_steps={args.steps}", f"trainer.micro_batch_size={args.prompts * args.samples}",
            "monitor.eval_interval=0", "monitor.progress=false", *args.overrides]
     print("rft:", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
+    tools = os.path.dirname(os.path.abspath(__file__))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (tools, os.environ.get("PYTHONPATH"))))}
+    subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL, env=env)
     rows = read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl"))
     for key, what in (("response_length/mean", "response tokens per sample"), ("reward/mean", "mean reward"),
                       ("train/rows_skipped", "rows of advantage 0 not forwarded")):
@@ -115,7 +141,7 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
 
     from rft.explorer.rewards import first_line_matches, math_verify_answer
 
-    score = {"exact_match": first_line_matches, "math_verify": math_verify_answer}[args.reward]
+    score = {"exact_match": first_line_matches, "math_verify": math_verify_answer, "partial": partial_credit}[args.reward]
 
     def exact_sum(completions, answer, **_):  # rft's reward function on the same text
         return [score(c[0]["content"], a) for c, a in zip(completions, answer)]
@@ -123,12 +149,12 @@ def trl_steps(model_dir: str, tasks: list[dict[str, str]], args, out: str) -> li
     dataset = Dataset.from_list([{"prompt": [{"role": "user", "content": t["question"]}], "answer": t["answer"]}
                                  for t in tasks])
     batch = args.prompts * args.samples
-    # fp32 without recompute, as rft trains here: TRL 1.x's GRPOConfig defaults to bf16 autocast and
-    # gradient checkpointing (transformers' TrainingArguments to neither)
+    # fp32 (or, --bf16, bf16 autocast over fp32 weights) without recompute, as rft trains here:
+    # TRL 1.x's GRPOConfig defaults to bf16 autocast and gradient checkpointing
     config = GRPOConfig(output_dir=out, use_cpu=True, per_device_train_batch_size=batch,
                         num_generations=args.samples, max_completion_length=args.max_new,
                         learning_rate=args.lr, beta=0.0, loss_type="dapo", max_steps=args.steps,
-                        bf16=False, fp16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
+                        bf16=args.bf16, fp16=False, gradient_checkpointing=False, model_init_kwargs={"dtype": "float32"},
                         logging_steps=1, save_strategy="no", report_to="none", disable_tqdm=True)
     timer, lengths = StepTimer(), []
     trainer = GRPOTrainer(model=model_dir, reward_funcs=exact_sum, args=config, train_dataset=dataset,
@@ -153,7 +179,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_workload_args(parser)
     parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--reward", default="exact_match", choices=["exact_match", "math_verify"])
+    parser.add_argument("--reward", default="exact_match", choices=["exact_match", "math_verify", "partial"])
+    parser.add_argument("--bf16", action="store_true", help="bf16 matmuls, fp32 master weights, on both sides")
     parser.add_argument("--lr", type=float, default=1e-6)
     parser.add_argument("--no-trl", action="store_true", help="time rft alone")
     parser.add_argument("--no-rft", action="store_true", help="time TRL alone")
@@ -168,7 +195,8 @@ def main() -> None:
     tasks_path = os.path.join(out, "tasks.jsonl")
     tasks = write_tasks(tasks_path, args.prompts * args.steps)
 
-    result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new}
+    result = {"model": args.model, "prompts": args.prompts, "samples": args.samples, "max_new": args.max_new,
+              "reward": args.reward, "bf16": args.bf16}
     if not args.no_rft:
         splits = rft_steps(model_dir, tasks_path, args, os.path.join(out, "rft"))[1:]
         print_splits(splits, label="rft step", digits=2)

@@ -25,9 +25,7 @@ class TrainerConfig:
     max_steps: int = MISSING  # optimizer steps in this stage
     micro_batch_size: int = 8  # sequences per forward/backward (padded), unless the token budget below is set
     max_tokens_per_microbatch: int = 0  # >0: rows packed (no padding) up to this many tokens per forward/backward
-    # positions per chunk of the fused output layer + log-softmax + entropy (rft/trainer/chunked_logprob.py):
-    # no [tokens, vocabulary] logits are kept (0: whole logits, as before)
-    logprob_chunk: int = 2048
+    logprob_chunk: int = 2048  # positions per chunk of the fused output layer, logprobs and entropy: no whole [tokens, vocabulary] logits (0: whole logits)
     skip_zero_advantage_rows: bool = True  # rows with advantage 0 everywhere skip the forward when only the policy loss sees them
     tensor_parallel_size: int = 1  # Megatron TP
     pipeline_parallel_size: int = 1  # Megatron PP: stages run Megatron's 1F1B schedule (rft/trainer/pipeline.py)

@@ -74,7 +74,9 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
             with runtime.timed("sync_wait_s"):
                 for point in stage.control_points(step, "rollout"):
                     point.meet(scalars)
-                    if point.publishes:
+                    if point.publishes and not point.sends_weights:  # the trainer took no optimizer step
+                        explorer.keep_weights(point.version)
+                    elif point.publishes:
                         scalars["timing/weight_apply_s"] = explorer.receive_weights()
             runtime.log(stage, step.global_step, scalars)
             if is_eval_step(cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
@@ -294,6 +296,14 @@ class Explorer:
             self.adapter["base"] = False
             prune_adapters(self.adapter["dir"], keep=self.engines[0].lora_request.lora_path)
         return applied
+
+    def keep_weights(self, version: int) -> None:
+        """The weights served are the trainer's at `version` already (no optimizer step since the
+        last sync): nothing travels or loads, and what is generated from now on is labelled
+        `version`, as the staleness checks compare it with the trainer's steps."""
+        for engine in self.engines:
+            engine.version = version
+        self.version.value = version
 
     def evaluate(self, stage: Stage, when: str, global_step: int) -> None:
         """Mean reward of one greedy (rollout.eval_temperature) sample per eval task, and the

@@ -6,7 +6,7 @@
             ... the algorithm: scalars of the step ...
             for point in stage.control_points(step): # the trainer steps this step meets
                 point.meet(scalars)                  # vote: stop? save? -> every rank saves alike
-                if point.publishes: ... weight sync ...
+                if point.publishes: ... weight sync (point.sends_weights: unless unchanged) ...
             runtime.log(stage, step, scalars)
     return runtime.finish({...})
 
@@ -141,14 +141,21 @@ class ControlPoint:
         runtime = stage.runtime
         # after a resume the restarted explorer holds the initial weights: always send them
         self.publishes = publishes_after(runtime.cfg, stage.cfg, stage.start, t, resumed=met)
+        # at a publishing point: whether the weights travel, or the engines only take the new
+        # version, their weights being the trainer's already (no optimizer step since the last sync)
+        self.sends_weights = True
+        self.version = stage.start + t + 1  # what the weights published here are called: trainer steps done
 
-    def meet(self, scalars: dict[str, float]) -> None:
+    def meet(self, scalars: dict[str, float], weights_changed: bool = False) -> None:
         """Vote; if a checkpoint is due every rank saves (with `scalars`, the step's pending log
-        line); if Slurm asked to stop, then requeue or stop. Met already if resumed here."""
+        line); if Slurm asked to stop, then requeue or stop. Met already if resumed here.
+        `weights_changed` (the trainer's: an optimizer step since its last sync) decides, for every
+        rank alike, whether a publishing point sends weights."""
         if self.met:
             return
         runtime, cfg = self.stage.runtime, self.stage.runtime.cfg
-        stopping, save_due = runtime.group.vote(runtime.stop.requested, runtime.clock.due())
+        stopping, save_due, self.sends_weights = runtime.group.vote(runtime.stop.requested, runtime.clock.due(),
+                                                                    weights_changed)
         done = self.stage.start + self.t + 1  # trainer steps done: what the checkpoint is named by
         if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
             runtime.save(done, self.stage, self.step, self.t, scalars)

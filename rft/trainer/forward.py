@@ -139,7 +139,9 @@ def thd_params(lengths: list[int], device: torch.device):
 def _tp_sum(t: torch.Tensor, group) -> torch.Tensor:
     if group is None or dist.get_world_size(group) == 1:
         return t
-    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        reduce_from_tensor_model_parallel_region,
+    )
 
     return reduce_from_tensor_model_parallel_region(t, group)
 
@@ -176,7 +178,9 @@ def gather_sequence(hidden: torch.Tensor) -> torch.Tensor:
     for a consumer that then computes the same thing on every TP rank (its gradient into `hidden`
     is complete on each rank, so backward keeps this rank's slice instead of summing them)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        gather_from_sequence_parallel_region,
+    )
 
     return gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False,
                                                 group=parallel_state.get_tensor_model_parallel_group())
@@ -219,7 +223,9 @@ def _fused_output_layer(model, targets: torch.Tensor, chunk: int, with_entropy: 
     Its input is what `_output_layer_at` selected; under TP it enters as Megatron's column-parallel
     layer takes it (identity forward, its gradient all-reduced)."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+    )
 
     from rft.trainer.chunked_logprob import chunked_logprobs
 

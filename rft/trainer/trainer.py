@@ -75,16 +75,21 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     for stage in runtime.stages():
         learner.begin(stage)
         publisher.begin_stage(learner.lora, adapter_sync(stage.cfg))  # a LoRA stage sends W + B A, or A and B
-        step_start = time.time()
+        step_start, unsent = time.time(), True  # a stage's first sync always sends
         for step in stage.steps():
             scalars = step.pending if step.resumed else learner.train(stage)
+            unsent = unsent or changed_weights(scalars)
             for point in stage.control_points(step, "trainer"):
-                point.meet(scalars)
-                if point.publishes:
+                point.meet(scalars, weights_changed=unsent)
+                if point.publishes and not point.sends_weights:  # the engines hold these weights already
+                    publisher.version = step.global_step
+                    scalars["sync/unchanged"] = 1.0
+                elif point.publishes:
                     with runtime.timed("sync_s"):
                         sync_start, sent = time.time(), publisher.publish(model, step.global_step,
                                                                           present_engines(topology, group))
                         scalars.update(sync_scalars(sent, time.time() - sync_start))
+                    unsent = False
             scalars["timing/step_s"], step_start = time.time() - step_start, time.time()
             runtime.log(stage, step.global_step, scalars)
             if topology.rank == 0:  # the launcher's progress bar
@@ -102,6 +107,14 @@ def present_engines(topology: Topology, group: ControlGroup) -> list[int] | None
     if not topology.losable_ranks:
         return None
     return [r for r in topology.engine_leaders if r in group.present]
+
+
+def changed_weights(scalars: dict[str, float]) -> bool:
+    """Whether the step's optimizer moved the policy's weights: not when it took no optimizer step
+    (every row without gradient, rft/trainer/train_step.py) or skipped the ones it took (a
+    non-finite gradient). Steps that do not say (SFT, DPO) count as changing them."""
+    steps = scalars.get("train/optimizer_steps")
+    return steps is None or steps - scalars.get("actor/step_skipped", 0.0) > 0
 
 
 def sync_scalars(sent: int, seconds: float) -> dict[str, float]:

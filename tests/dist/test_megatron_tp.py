@@ -56,7 +56,9 @@ def _fused_output_layer(model, ids: torch.Tensor, tp: int, group) -> dict:
     vocab-parallel weight (3 padding columns) through Megatron's copy to the TP region."""
     import torch.distributed as dist
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+    )
 
     from rft.trainer.chunked_logprob import chunked_logprobs
     from rft.trainer.forward import fused_logprobs, model_forward, pack_microbatch

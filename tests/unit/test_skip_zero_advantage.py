@@ -142,3 +142,13 @@ def test_model_flops_count_the_tokens_of_the_rows_trained(run, case, skip, rows,
     epoch; rows left out and padding are not work the model did (rft/trainer/flops.py)."""
     tokens = sum(len(PROMPTS[i]) + len(RESPONSES[i]) for i in rows)
     assert run[case, skip][0]["train/model_flops"] == 6 * run["parameters"] * tokens * passes
+
+
+def test_a_step_moved_the_weights_only_if_it_took_an_optimizer_step_it_did_not_skip():
+    """The trainer syncs weights only after a step that changed them (rft/trainer/trainer.py)."""
+    from rft.trainer.trainer import changed_weights
+
+    assert not changed_weights({"train/optimizer_steps": 0.0, "actor/step_skipped": 0.0})  # no row had a gradient
+    assert not changed_weights({"train/optimizer_steps": 2.0, "actor/step_skipped": 2.0})  # both non-finite
+    assert changed_weights({"train/optimizer_steps": 2.0, "actor/step_skipped": 1.0})
+    assert changed_weights({"loss/sft": 0.5})  # a step that does not say (SFT): taken as a change

@@ -128,6 +128,20 @@ def _rank_setup(config: dict, master_port: int):
     return cfg, (None if cfg.mode == "bench" else Topology.from_env(cfg, master_port))
 
 
+def _watch_engine_pulses(cfg, topology):
+    """Rank 0, when the run may lose engines: a PulseWatch (rft/runtime/membership.py) that marks
+    lost the engines whose node crashed or dropped off the network; None elsewhere."""
+    if topology.rank != 0 or not topology.losable_ranks:
+        return None
+    import datetime
+
+    from rft.runtime.membership import PulseWatch
+    from rft.runtime.preemption import control_store
+
+    store = control_store(topology, datetime.timedelta(seconds=cfg.sync.timeout_s), client=True)
+    return PulseWatch(store, cfg.run.output_dir, topology.losable_ranks, topology.member_name)
+
+
 def _rank_main(config: dict, master_port: int) -> dict:
     from rft.runtime.rendezvous import host_address, this_node, wait_until_reachable
     from rft.runtime.topology import engine_devices, init_trainer_group
@@ -193,15 +207,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
         from rft.runtime.rendezvous import check_run_dir_shared
 
         check_run_dir_shared(control.store, topology.rank, cfg.run.output_dir)
-        pulses = None
-        if topology.rank == 0 and topology.losable_ranks:  # engines whose node is gone are lost, too
-            import datetime
-
-            from rft.runtime.membership import PulseWatch
-            from rft.runtime.preemption import control_store
-
-            pulses = PulseWatch(control_store(topology, datetime.timedelta(seconds=cfg.sync.timeout_s), client=True),
-                                cfg.run.output_dir, topology.losable_ranks, topology.member_name)
+        pulses = _watch_engine_pulses(cfg, topology)
         if topology.role == "trainer":
             from rft.trainer.trainer import run_trainer
 

@@ -1,8 +1,9 @@
 """Whether two runs ended alike, bit for bit: a run that was interrupted and resumed (or hit by
 faults, tools/chaos.py) against the uninterrupted run with the same config. They must log the same
 metrics at every step and hold the same state in their final checkpoint. Only what depends on the
-clock may differ, and how far behind the explorer's weights were when a step was trained (a
-restarted explorer starts in step)."""
+clock may differ, how far behind the explorer's weights were when a step was trained (a
+restarted explorer starts in step), and what a weight sync moved (a restarted explorer is sent
+weights an uninterrupted one already held)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ from typing import Any
 from rft.runtime.checkpoint import whole_shards
 from rft.runtime.state import SHARDED
 
-CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag")
+# what depends on the clock, and on restarts: a restarted explorer starts in step (policy/version_lag)
+# and is sent the weights an uninterrupted one already held (sync/: unchanged weights travel
+# there, rft/trainer/trainer.py)
+CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag", "sync/")
 # the final checkpoint's state that must match: a trainer's and an explorer's (rft/runtime/state.py)
 TRAINER_STATE = ("model", "optimizer", "scheduler", "rng", "publisher")
 EXPLORER_STATE = ("version", "cursor")

@@ -12,7 +12,8 @@ environment names what to break, at which step, and optionally on which rank (`#
 kill_* and stop_* act at a point of a step (`step` as checkpoints and logs count it: steps done
 once it ends): `generation` (an explorer, its rollouts generated, not yet written), `train` (a
 trainer, its update made, its shard not yet committed), `sync` (a trainer, one weight sent or
-gathered of the step's sync) and `save` (any rank, its checkpoint file written, not yet renamed).
+gathered of the step's sync; where the step changed no weight and nothing is sent, at its sync
+point) and `save` (any rank, its checkpoint file written, not yet renamed).
 Before acting, the rank appends what it does to `<run>/faults.jsonl` (tools/chaos.py times the
 launcher's reaction from it). A fault fires at most once per process. Why not a mock: the run
 under test is the real one, with real processes, signals and files.

@@ -62,6 +62,14 @@ class WeightPublisher:
             return 0
         return self.sender.send(table, tensors, self.version)
 
+    def keep(self, version: int) -> None:
+        """The engines hold this rank's weights already (no optimizer step since the last sync):
+        they become `version` without anything sent. rft/runtime/faults.py's `sync` point is
+        here too, so a fault planned for this step's sync still finds one."""
+        self.version = version
+        if self.exports:
+            faults.strike("sync", version, self.topology.rank, self.cfg.run.output_dir)
+
     def _struck_after_first(self, tensors, version: int):
         """`tensors`, with rft/runtime/faults.py's `sync` point after the first one (a sync under way)."""
         for index, item in enumerate(tensors):

@@ -82,7 +82,7 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
             for point in stage.control_points(step, "trainer"):
                 point.meet(scalars, weights_changed=unsent)
                 if point.publishes and not point.sends_weights:  # the engines hold these weights already
-                    publisher.version = step.global_step
+                    publisher.keep(step.global_step)
                     scalars["sync/unchanged"] = 1.0
                 elif point.publishes:
                     with runtime.timed("sync_s"):

@@ -43,10 +43,13 @@ def quickstart_run(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def exported_sft_model(quickstart_run) -> str:
-    """The quickstart's model at the end of its SFT warm-up, as a HF directory (`model.path=`)."""
+    """The quickstart's model half way through its SFT warm-up, as a HF directory (`model.path=`).
+    Half way, not at its end: the GRPO variants started from it must show that they learn, and
+    the end of the warm-up already scores 92% on the held-out tasks (measured), where +5 points is
+    at the ceiling and one run's noise; half way it scores 79%, and LoRA GRPO took it to 93.5%."""
     from rft.weights.engines import version_dir
 
-    return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS)
+    return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS // 2)
 
 
 def pytest_collection_modifyitems(config, items):

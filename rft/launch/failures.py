@@ -14,7 +14,7 @@ from rich.markup import escape
 
 from rft.launch.console import console
 from rft.launch.job_state import local_rank_alive, slurm_job_state, task_result
-from rft.runtime.pulse import SILENT_S
+from rft.runtime.pulse import SILENT_S, cut_message, cut_off, pid_path, silent_s
 
 
 @dataclass
@@ -118,8 +118,6 @@ def root_cause(first: RankFailure, losses: EngineLosses, run_dir: str, log_dir: 
     supervisor cleaned up and told the job's store (seconds, when the store went down with rank
     0), and a peer's error ("connection reset") often lands first: wait, up to DEATH_REPORT_S,
     until a rank that died reports or every rank has ended, reported or gone silent; a death wins."""
-    from rft.runtime.pulse import cut_off, pid_path, silent_s
-
     deadline = time.monotonic() + DEATH_REPORT_S
 
     def accounted(rank: int) -> bool:  # ended, reported, stopped (silent) or cut off: nothing more to come
@@ -143,8 +141,6 @@ def silent_rank(run_dir: str, log_dir: str, job_id: str, world_size: int, alive:
     goes on: it is stopped (SIGSTOP, a debugger), hung, or its node is gone. (rank, seconds
     silent). Nobody beating means the job is not running (queued again after a requeue, or
     ending): no rank is blamed then."""
-    from rft.runtime.pulse import pid_path, silent_s
-
     quiet = {rank: silent_s(pid_path(run_dir, rank)) for rank in range(world_size)}
     if not any(q is not None and q < SILENT_S for q in quiet.values()):
         return None
@@ -161,8 +157,6 @@ def cut_off_rank(run_dir: str, world_size: int, for_s: float, besides: Iterable[
     """A rank (not in `besides`: engines the run may lose) whose rank 0 has not answered it for
     `for_s` seconds or more, though its pulse goes on (rft/runtime/pulse.py): its node lost the
     network to rank 0's. (rank, what it recorded)."""
-    from rft.runtime.pulse import cut_off, pid_path
-
     for rank in sorted(set(range(1, world_size)) - set(besides)):
         cut = cut_off(pid_path(run_dir, rank))
         if cut is not None and cut["for_s"] >= for_s:
@@ -174,8 +168,7 @@ def cut_off_from_rank0(rank: int, cut: dict, log_dir: str, job_id: str, name_of:
                        then: RankFailure | None = None) -> RankFailure:
     after = f"; rank {then.rank} then failed: {then.reason}" if then and then.rank != rank else ""
     return RankFailure(rank, os.path.join(log_dir, f"{job_id}_{rank}_log.err"),
-                       f"{name_of(rank)} lost the network to rank 0: its control store at {cut['address']} has not "
-                       f"answered it for {cut['for_s']:.0f} s ({cut['error']}), while the rank runs on (a network "
+                       f"{cut_message(name_of(rank), cut)} ({cut['error']}), while the rank runs on (a network "
                        f"partition: a link, switch or interface down between its node and rank 0's){after}")
 
 

@@ -146,7 +146,7 @@ class PulseWatch:
 
     def gone(self) -> dict[int, str]:
         """rank -> how it went, for the watched ranks whose pulse stopped or that are cut off."""
-        from rft.runtime.pulse import SILENT_S, cut_off, pid_path, silent_s
+        from rft.runtime.pulse import SILENT_S, cut_message, cut_off, pid_path, silent_s
 
         found = {}
         for rank in sorted(self.ranks):
@@ -155,6 +155,5 @@ class PulseWatch:
                 found[rank] = (f"{self.name_of(rank)} stopped responding: no heartbeat for {quiet:.0f} s (its node "
                                "crashed or lost the network, or it was stopped)")
             elif cut is not None and cut["for_s"] >= SILENT_S:
-                found[rank] = (f"{self.name_of(rank)} lost the network to rank 0: its control store at "
-                               f"{cut['address']} has not answered it for {cut['for_s']:.0f} s")
+                found[rank] = cut_message(self.name_of(rank), cut)
         return found

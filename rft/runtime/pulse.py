@@ -87,6 +87,12 @@ def _check_reach(path: str, reach: tuple[str, int], answered: float) -> float:
     return time.monotonic()
 
 
+def cut_message(who: str, cut: dict) -> str:
+    """How a rank cut off from rank 0 is named (`cut`: what cut_off returned)."""
+    return (f"{who} lost the network to rank 0: its control store at {cut['address']} has not answered it for "
+            f"{cut['for_s']:.0f} s")
+
+
 def silent_s(path: str) -> float | None:
     """Seconds since `path`'s last pulse (None: no such file)."""
     try:

@@ -20,6 +20,8 @@ from tests.e2e.helpers import REPO
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from chaos import check_run  # noqa: E402
 
+from rft.runtime.checkpoint import newest_complete  # noqa: E402
+
 SCRIPT = os.path.join(REPO, "tools", "slurm_local.sh")
 GRPO = "stages=[{name: grpo, algorithm: {name: grpo}, trainer: {max_steps: 2}}]"
 STEPS, TIMEOUT_S = 8, 30
@@ -64,35 +66,47 @@ def _node_back(env: dict) -> None:
         time.sleep(1)
 
 
+def _trained_steps(run_dir: str) -> int:
+    """The training steps the trainer has logged, over every launch into `run_dir`."""
+    metrics = Path(run_dir, "metrics", "trainer0.jsonl")
+    return metrics.read_text().count('"loss/policy"') if metrics.exists() else 0
+
+
 def _fail_node2_after(env: dict, args: tuple, steps: int, how: str) -> dict:
-    """Launch; once the trainer has logged `steps` steps, `tools/slurm_local.sh <how> 2`; wait for
-    the launcher to end. Its output, exit code and seconds from the fault to its end."""
+    """Launch; once the trainer has logged `steps` more steps, `tools/slurm_local.sh <how> 2`; wait
+    for the launcher to end. Its output, exit code, seconds from the fault to its end, and the
+    newest complete checkpoint (where launching again resumes)."""
     run_dir = next(a.split("=", 1)[1] for a in args if a.startswith("run.output_dir="))
+    before = _trained_steps(run_dir)
     launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *COMMON, *args], cwd=REPO, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    metrics = os.path.join(run_dir, "metrics", "trainer0.jsonl")
     for _ in range(1200):
-        if os.path.exists(metrics) and Path(metrics).read_text().count('"loss/policy"') >= steps:
+        if _trained_steps(run_dir) >= before + steps:
             break
         time.sleep(0.5)
     at = time.monotonic()
     subprocess.run(["bash", SCRIPT, how, "2"], env=env, check=True)
     out, _ = launcher.communicate(timeout=600)
-    return {"out": " ".join(out.split()), "rc": launcher.returncode, "after": time.monotonic() - at}
+    after = time.monotonic() - at
+    # the step launching again must resume from: the trainer may finish (and save) a step or two
+    # between the fault and noticing it, when the rollout rank had generated them already
+    newest = newest_complete(run_dir, [0, 1])
+    return {"out": " ".join(out.split()), "rc": launcher.returncode, "after": after, "saved": newest.done if newest else 0}
 
 
 @pytest.fixture(scope="module")
 def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
     """The quickstart's GRPO across two nodes (trainer on node1, rollout on node2, a checkpoint
     every 2 steps, sync.timeout_s=30). After 3 steps node2's link goes down (a partition: its
-    processes live on); the link comes back and the same command resumes from step 2. After 5
-    steps node2 crashes (every process on it killed at once); it comes back and the same command
-    resumes the run to its end."""
+    processes live on); the link comes back and the same command resumes from the newest
+    checkpoint (step 2, or 4 where the trainer got that far before noticing). After 2 more steps
+    node2 crashes (every process on it killed at once); it comes back and the same command resumes
+    the run to its end."""
     run_dir = tmp_path_factory.mktemp("lost") / "run"
     args = (f"run.output_dir={run_dir}", LONG, "trainer.save_interval=2", f"sync.timeout_s={TIMEOUT_S}")
     cut = _fail_node2_after(two_nodes, args, 3, "cut-node")
     _node_back(two_nodes)
-    crashed = _fail_node2_after(two_nodes, args, 5, "lose-node")
+    crashed = _fail_node2_after(two_nodes, args, 2, "lose-node")
     _node_back(two_nodes)
     return {"run_dir": run_dir, "cut": cut, "crashed": crashed, "resumed": _launch(two_nodes, *args)}
 
@@ -143,7 +157,9 @@ def test_a_crashed_node_is_named_within_the_bound_and_the_run_resumes_losing_not
     run_dir = partitioned_crashed_and_resumed["run_dir"]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_0_log.out"))
     resumed_at = [int(done) for done in re.findall(r"^resuming from .* \((\d+) steps done\)$", logs, re.MULTILINE)]
-    assert resumed_at[0] == 2 and resumed_at[1] == 4, resumed_at  # after the partition, after the crash
+    cut = partitioned_crashed_and_resumed["cut"]
+    assert resumed_at == [cut["saved"], crashed["saved"]], resumed_at  # after the partition, after the crash
+    assert 2 <= cut["saved"] < crashed["saved"] < STEPS, (cut["saved"], crashed["saved"])  # each resumed mid-run
     # every step's experience trained exactly once, every step logged once (tools/chaos.py's checks)
     assert check_run(str(run_dir), STEPS, sft_steps=0, producer=1) == {
         "experience_lost": 0, "experience_extra": 0, "metric_gaps": 0}

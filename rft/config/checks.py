@@ -182,6 +182,37 @@ def _check_engine_failure(cfg: RFTConfig) -> None:
                      f"(cluster.rollout_ranks={cfg.cluster.rollout_ranks} makes one): nothing could go on")
 
 
+def _check_colocate(cfg: RFTConfig) -> None:
+    """Colocated roles (rft/runtime/colocation.py) take turns with the GPUs they share."""
+    c, level = cfg.cluster, cfg.rollout.sleep_level
+    if level not in (1, 2):
+        config_error("rollout.sleep_level", level, "use 1 (weights to host memory, KV cache dropped) or 2 (both dropped)")
+    if not c.colocate:
+        return
+    why = "cluster.colocate=true: "
+    if cfg.mode != "both":
+        config_error("cluster.colocate", True, why + f"the trainer and the rollout ranks share GPUs; mode={cfg.mode} "
+                     "runs one role only: use cluster.colocate=false")
+    if cfg.sync.offset != 0:
+        config_error("sync.offset", cfg.sync.offset, why + "the roles take turns with the GPUs, so the explorer cannot "
+                     "run ahead of the trainer: use sync.offset=0")
+    if c.rollout_ranks != c.trainer_ranks:
+        config_error("cluster.rollout_ranks", c.rollout_ranks, why + "rollout rank T+i runs on trainer rank i's GPU: "
+                     f"use cluster.rollout_ranks={c.trainer_ranks} (cluster.trainer_ranks)")
+    if c.judge_ranks:
+        config_error("cluster.judge_ranks", c.judge_ranks, why + "judge engines do not sleep; run them disjoint "
+                     "(cluster.colocate=false) or use cluster.judge_ranks=0")
+    if cfg.rollout.on_engine_failure != "fail":
+        config_error("rollout.on_engine_failure", cfg.rollout.on_engine_failure, why + "an engine lost takes its "
+                     "trainer rank's GPU with it: use rollout.on_engine_failure=fail")
+    if cfg.sync.engine == "nccl":
+        config_error("sync.engine", "nccl", why + "NCCL cannot join two processes on one GPU: use sync.engine=auto "
+                     "(the checkpoint engine; sync.checkpoint_dir=/dev/shm/... keeps it in node memory)")
+    if cfg.sync.lora == "adapter" and vllm_lora_rank(cfg):
+        config_error("sync.lora", "adapter", why + "adapters travel over the weight groups, and colocated "
+                     "weights through the checkpoint engine: use sync.lora=merged")
+
+
 def _check_bench(cfg: RFTConfig) -> None:
     b = cfg.bench
     if not b.checkpoints and not b.run_dir:
@@ -227,6 +258,7 @@ def validate(cfg: RFTConfig) -> None:
     if cfg.mode == "serve":
         _check_serve(cfg)
     _check_engine_failure(cfg)
+    _check_colocate(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):

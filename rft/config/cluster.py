@@ -25,6 +25,7 @@ class ClusterConfig:
     trainer_ranks: int = 1  # ranks [0, T) train
     rollout_ranks: int = 1  # ranks [T, T+R) generate
     judge_ranks: int = 0  # ranks [T+R, T+R+J) serve frozen judge engines (rft/explorer/judge.py; 0: none)
+    colocate: bool = False  # rollout rank T+i shares trainer rank i's GPU; they take turns (rft/runtime/colocation.py)
     timeout_min: int = 240  # wall-clock limit of the job
     master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
     rendezvous_addr: Optional[str] = None  # slurm: where ranks reach rank 0 (None: the first node's Slurm NodeAddr)

@@ -82,9 +82,13 @@ def judge_span(cfg: RFTConfig) -> int:
     return cfg.judge.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
 
 
-def sync_engine(sync: SyncConfig, on_gpu: bool) -> str:
-    """The weight-transfer engine `sync.engine=auto` resolves to on this hardware."""
-    return sync.engine if sync.engine != "auto" else ("nccl" if on_gpu else "gloo")
+def sync_engine(sync: SyncConfig, on_gpu: bool, colocated: bool = False) -> str:
+    """The weight-transfer engine `sync.engine=auto` resolves to on this hardware: nccl on GPUs,
+    gloo on CPU; colocated roles (cluster.colocate) use the checkpoint engine everywhere, as NCCL
+    cannot join two processes on one GPU (rft/runtime/colocation.py)."""
+    if sync.engine != "auto":
+        return sync.engine
+    return "checkpoint" if colocated else ("nccl" if on_gpu else "gloo")
 
 
 def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:

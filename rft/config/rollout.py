@@ -16,7 +16,8 @@ class RolloutConfig:
     eval_temperature: float = 0.0  # 0: greedy eval
     stop: list[str] = field(default_factory=list)  # extra stop strings
     kv_cache_gb: float = 1.0  # KV cache memory for vLLM (CPU: GiB of RAM)
-    gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only)
+    gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only; colocated: leave the trainer room)
+    sleep_level: int = 1  # cluster.colocate: vLLM's sleep while the trainer trains (1: weights to host memory, KV cache dropped; 2: both dropped)
     tensor_parallel_size: int = 1  # vLLM TP per engine
     max_num_seqs: int = 256  # vLLM scheduler batch limit
     reward_timeout_s: float = 10.0  # a reward call slower than this scores 0

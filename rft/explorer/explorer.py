@@ -41,6 +41,7 @@ from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
 from rft.runtime import faults
 from rft.runtime.checkpoint import Resume
+from rft.runtime.colocation import EngineSleep
 from rft.runtime.control import Runtime, Stage, Step
 from rft.runtime.monitor import append_jsonl, drop_from_step, eval_path
 from rft.runtime.preemption import ControlGroup, StopFlag
@@ -58,7 +59,8 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
     engines = [RolloutEngine(cfg.model, cfg.rollout, cfg.seed + topology.rank, topology.context_length,
                              name=f"engine {topology.engine_index}", loop=LoopThread(),
                              max_lora_rank=vllm_lora_rank(cfg),
-                             return_routed_experts=cfg.trainer.routing_replay == "rollout")]
+                             return_routed_experts=cfg.trainer.routing_replay == "rollout",
+                             sleep_mode=cfg.cluster.colocate)]
     stop.install()
     judges = _connect_judges(cfg, topology, group) if topology.judge_ranks else None
     runtime = Runtime(cfg, topology, group, stop, resume, f"rollout{topology.rank}")
@@ -71,13 +73,15 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
         explorer.begin(stage)
         for step in stage.steps():
             scalars = step.pending if step.resumed else explorer.explore(stage, step)
+            points = stage.control_points(step, "rollout")
+            explorer.hand_over([point.version for point in points])  # colocated: sleep while the trainer trains
             with runtime.timed("sync_wait_s"):
-                for point in stage.control_points(step, "rollout"):
+                for point in points:
                     point.meet(scalars)
                     if point.publishes and not point.sends_weights:  # the trainer took no optimizer step
                         explorer.keep_weights(point.version)
                     elif point.publishes:
-                        scalars["timing/weight_apply_s"] = explorer.receive_weights()
+                        scalars["timing/weight_apply_s"] = explorer.receive_weights(point.version)
             runtime.log(stage, step.global_step, scalars)
             if is_eval_step(cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
                 explorer.evaluate(stage, "interval", step.global_step)
@@ -138,6 +142,7 @@ class Explorer:
                                           OperatorContext(run_dir, engine=self.engine, decode=tokenizer.decode))
         self.eval_tasks: list[Task] = []
         self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
+        self.sleep = EngineSleep(cfg, topology, engines, runtime) if cfg.cluster.colocate else None
 
     def resend_quarantined(self) -> None:
         """Write again the shards of ours the trainer quarantined for a bad checksum."""
@@ -208,6 +213,7 @@ class Explorer:
         """Generate the step's experience and write it as this rank's shard of the step."""
         if self.selector is None:  # a dataset stage (SFT): the explorer only evaluates
             return {}
+        self.wake(step.global_step)
         self.resend_quarantined()
         algo, rollout = stage.cfg.algorithm, stage.cfg.rollout
         sampling = Sampling(rollout.temperature, rollout.top_p, rollout.max_new_tokens, tuple(rollout.stop))
@@ -279,8 +285,26 @@ class Explorer:
         self.runtime.progress.add(judge_calls=counts.calls, judge_timeouts=counts.timeouts, judge_errors=counts.errors)
         return counts.scalars()
 
-    def receive_weights(self) -> float:
-        """Take the weights the trainer publishes now; the seconds the engines spent loading them."""
+    def hand_over(self, versions: list[int]) -> None:
+        """Colocated (cluster.colocate): the engines sleep, and the trainer may train the steps
+        `versions` (their control points follow) on the GPUs they share."""
+        if self.sleep is not None:
+            self.sleep.hand_over(versions)
+
+    def wake(self, step: int) -> None:
+        """Colocated: the engines awake (weights and KV cache) before generating."""
+        if self.sleep is not None:
+            self.sleep.wake(step)
+
+    def receive_weights(self, version: int) -> float:
+        """Take the weights the trainer publishes now (as `version`); the seconds the engines
+        spent loading them. Colocated engines wake their weights first and their KV cache after."""
+        if self.sleep is None:
+            return self._receive_weights(version)
+        with self.sleep.loading(version):
+            return self._receive_weights(version)
+
+    def _receive_weights(self, version: int) -> float:
         # the engines at the vote before this sync: with rollout.on_engine_failure=continue a lost one
         # is left out, and the groups are opened anew without it (the trainer sees the same vote)
         present = [r for r in self.topology.engine_leaders if r in self.runtime.group.present]
@@ -290,7 +314,7 @@ class Explorer:
             for engine in self.engines:
                 engine.open_weight_receiver(layout, first)
             self.receiving_from = present
-        applied = max(engine.receive_weights(adapter=self.adapter) for engine in self.engines)
+        applied = max(engine.receive_weights(adapter=self.adapter, version=version) for engine in self.engines)
         self.version.value = self.engines[0].version
         if self.adapter is not None:
             self.adapter["base"] = False
@@ -310,6 +334,7 @@ class Explorer:
         means of the workflow's metrics (turns, success, ...): eval/accuracy, eval/<metric>."""
         if not self.eval_tasks:
             return
+        self.wake(global_step)
         rollout = stage.cfg.rollout
         start = time.time()
         sampling = Sampling(rollout.eval_temperature, 1.0, rollout.max_new_tokens, tuple(rollout.stop))

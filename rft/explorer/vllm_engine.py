@@ -65,18 +65,21 @@ class WeightReceiver:
             _reprocess_tied_layers(model)
         return result, time.perf_counter() - start
 
-    def rft_receive_weights(self, apply: bool = True, adapter: dict | None = None) -> tuple[int, float, str | None]:
+    def rft_receive_weights(self, apply: bool = True, adapter: dict | None = None,
+                            version: int | None = None) -> tuple[int, float, str | None]:
         """Receive one sync and load it; (version, seconds after the last bucket, adapter dir).
+        `version`: the one the trainer publishes now, where the engine can tell (the checkpoint
+        engine's directory may hold newer ones, written before a crash).
 
         `adapter` (a LoRA stage with sync.lora=adapter: {"dir", "rank", "alpha", "base"}): the sync
         holds PEFT-named adapter tensors, after the stage's base weights when "base" is set; the
         base weights are loaded as usual and the adapter written to <dir>/v<version> for vLLM's
         LoRA (the engine passes it with every request)."""
         if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
-            return (*self.rft_receiver.receive(lambda named: None), None)
+            return (*self.rft_receiver.receive(lambda named: None, version), None)
         if adapter is None:
-            (version, tail_s), finalize_s = self._rft_reload(self.rft_receiver.receive)
-            return version, tail_s + finalize_s, None
+            (got, tail_s), finalize_s = self._rft_reload(lambda lw: self.rft_receiver.receive(lw, version))
+            return got, tail_s + finalize_s, None
         lora: dict = {}
 
         def keeping_adapter(load_weights: Callable) -> Callable:
@@ -92,13 +95,14 @@ class WeightReceiver:
             return load
 
         if adapter["base"]:
-            (version, tail_s), finalize_s = self._rft_reload(lambda lw: self.rft_receiver.receive(keeping_adapter(lw)))
+            (got, tail_s), finalize_s = self._rft_reload(
+                lambda lw: self.rft_receiver.receive(keeping_adapter(lw), version))
         else:  # the model is untouched: no reload, no re-processing
-            (version, tail_s), finalize_s = self.rft_receiver.receive(keeping_adapter(lambda named: None)), 0.0
-        path = os.path.join(adapter["dir"], f"v{version}")
+            (got, tail_s), finalize_s = self.rft_receiver.receive(keeping_adapter(lambda named: None), version), 0.0
+        path = os.path.join(adapter["dir"], f"v{got}")
         if self.rank == 0:  # one writer per engine; the engine reads it once every worker returned
             write_peft_adapter(path, lora, adapter["rank"], adapter["alpha"])
-        return version, tail_s + finalize_s, path
+        return got, tail_s + finalize_s, path
 
     def rft_load_hf_dir(self, path: str) -> int:
         """Load every tensor of the HF checkpoint in `path` (its *.safetensors); returns how many."""
@@ -251,7 +255,7 @@ class RolloutEngine:
 
     def __init__(self, model: ModelConfig, rollout: RolloutConfig, seed: int, max_model_len: int,
                  name: str = "engine 0", loop: LoopThread | None = None, runner: str = "generate",
-                 max_lora_rank: int = 0, return_routed_experts: bool = False):
+                 max_lora_rank: int = 0, return_routed_experts: bool = False, sleep_mode: bool = False):
         os.environ.setdefault("VLLM_CONFIGURE_LOGGING", "0")
         # Fold the TP=1 worker into the engine core process: one process less, and weight loads and
         # generation need no extra hop.
@@ -286,6 +290,9 @@ class RolloutEngine:
             kwargs["enable_return_routed_experts"] = True
         if torch.cuda.is_available():
             kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+            # sleep() frees GPU memory only from vLLM's own allocator pool (cluster.colocate); on CPU
+            # vLLM refuses the flag, and its sleep and wake_up run without it (freeing nothing)
+            kwargs["enable_sleep_mode"] = sleep_mode
         else:
             # On CPU "gpu_memory_utilization" is a share of the NUMA node's RAM; size the KV cache
             # directly instead (the default 0.92 of a node's RAM fails to allocate) and skip compilation,
@@ -339,9 +346,10 @@ class RolloutEngine:
         """Make every vLLM worker a receiver (indices first_index, first_index + 1, ...)."""
         self.collective_rpc("rft_open_weight_receiver", (layout.as_dict(), first_index))
 
-    def receive_weights(self, apply: bool = True, adapter: dict | None = None) -> float:
+    def receive_weights(self, apply: bool = True, adapter: dict | None = None, version: int | None = None) -> float:
         """Block until the trainer's next sync arrives and load it (sets `version`); `adapter`: a
-        LoRA adapter sync (WeightReceiver.rft_receive_weights), served from then on.
+        LoRA adapter sync (WeightReceiver.rft_receive_weights), served from then on; `version`:
+        the one being published, where known.
 
         Returns the seconds spent after the last bucket arrived (loading, re-processing, cache
         reset): the rollout side's share of the sync, which the sender's timing does not include.
@@ -349,7 +357,7 @@ class RolloutEngine:
         from vllm.lora.request import LoRARequest
 
         with self.updating_weights():
-            replies = self.collective_rpc("rft_receive_weights", (apply, adapter))
+            replies = self.collective_rpc("rft_receive_weights", (apply, adapter, version))
             start = time.perf_counter()
             if apply:
                 self.version = int(replies[0][0])
@@ -358,6 +366,16 @@ class RolloutEngine:
                 self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, path) if path else None
                 self.run(self.llm.reset_prefix_cache())  # cached KV blocks came from the old weights
         return float(replies[0][1]) + (time.perf_counter() - start if apply else 0.0)
+
+    def sleep(self, level: int) -> None:
+        """vLLM's sleep (cluster.colocate): the scheduler pauses; on GPU the KV cache is dropped and
+        the weights moved to host memory (level 1) or dropped (level 2)."""
+        self.run(self.llm.sleep(level))
+
+    def wake(self, tags: list[str] | None = None) -> None:
+        """vLLM's wake_up of `tags` ("weights", "kv_cache"; None: all); the scheduler resumes once
+        everything is awake."""
+        self.run(self.llm.wake_up(tags))
 
     def load_hf_dir(self, path: str) -> None:
         """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's)."""

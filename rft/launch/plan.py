@@ -46,6 +46,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
                                    f"model {cfg.model.name})")
     if cfg.mode in ("both", "explore") and r:
         table.add_row("engines", engines_line(cfg))
+    if cfg.cluster.colocate:
+        table.add_row("colocated", colocation_line(cfg))
     if cfg.cluster.kind == "slurm" and cfg.cluster.nodes > 1:
         table.add_row("nodes", nodes_line(cfg))
     if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
@@ -53,8 +55,9 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
                                      f"TP={cfg.judge.tensor_parallel_size}, model {cfg.judge.model or cfg.model.path}; "
                                      f"calls time out after {cfg.judge.timeout_s:g}s)")
-    table.add_row("weight sync", f"engine {cfg.sync.engine}, {cfg.sync.bucket_mb} MiB buckets, "
-                                 f"timeout {cfg.sync.timeout_s:.0f}s")
+    engine = cfg.sync.engine if cfg.sync.engine != "auto" or not cfg.cluster.colocate else \
+        f"checkpoint (colocated) at {cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, 'weights')}"
+    table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s")
     if cfg.mode == "both":
         table.add_row("schedule", schedule_line(cfg))
     context, stages = context_length(cfg.model), stage_configs(cfg)
@@ -78,35 +81,53 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
 
 
 def nodes_line(cfg: RFTConfig) -> str:
-    """Which ranks each node of the allocation runs (Slurm places tasks in blocks, in rank order)."""
-    from rft.launch.slurm import tasks_per_node
+    """Which ranks each node of the allocation runs (rft/launch/slurm.py's node_of)."""
+    from rft.launch.slurm import node_of
     from rft.runtime.topology import Topology
 
-    per_node, lines = tasks_per_node(cfg), []
-    topology = Topology.of(cfg)
+    lines, world = [], Topology.of(cfg).world_size
     for node in range(cfg.cluster.nodes):
-        ranks = list(range(node * per_node, min((node + 1) * per_node, topology.world_size)))
+        ranks = [rank for rank in range(world) if node_of(cfg, rank) == node]
         if not ranks:
             break
         roles = dict.fromkeys(Topology.of(cfg, rank).role for rank in ranks)
-        span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
-        lines.append(f"node {node}: {span} ({', '.join(roles)})")
+        lines.append(f"node {node}: {rank_ranges(ranks)} ({', '.join(roles)})")
     return "\n".join(lines) + "\n(rank 0 hosts the rendezvous at the first node's Slurm address)"
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """"rank 3", "ranks 0-3" or "ranks 0-3, 8-11" (colocated nodes hold two runs of ranks)."""
+    runs: list[list[int]] = []
+    for rank in ranks:
+        if runs and rank == runs[-1][-1] + 1:
+            runs[-1].append(rank)
+        else:
+            runs.append([rank])
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    return "ranks " + ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]) for run in runs)
 
 
 def engines_line(cfg: RFTConfig) -> str:
     """One line per vLLM engine: its ranks and the node of the allocation they run on."""
-    from rft.launch.slurm import tasks_per_node
+    from rft.launch.slurm import node_of
     from rft.runtime.topology import Topology
 
-    per_node = tasks_per_node(cfg) if cfg.cluster.kind == "slurm" else None
     lines = []
     for e, ranks in enumerate(Topology.of(cfg).engine_ranks):
-        where = f"node {ranks[0] // per_node} of {cfg.cluster.nodes}" if per_node else "this machine"
+        where = f"node {node_of(cfg, ranks[0])} of {cfg.cluster.nodes}" if cfg.cluster.kind == "slurm" else "this machine"
         span = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks[0]}-{ranks[-1]}"
         lines.append(f"engine {e}: {span} on {where}")
     deal = "tasks dealt by load" if len(lines) > 1 else "one engine"
     return "\n".join(lines) + f"\n({deal}; each writes its own shards)"
+
+
+def colocation_line(cfg: RFTConfig) -> str:
+    """Which ranks share a GPU and how they take turns (rft/runtime/colocation.py)."""
+    t = cfg.cluster.trainer_ranks
+    pairs = ", ".join(f"{i}+{t + i}" for i in range(min(t, 4))) + (", ..." if t > 4 else "")
+    return (f"ranks {pairs} share a GPU each; vLLM sleeps (level {cfg.rollout.sleep_level}) while the trainer "
+            "trains, wakes for the new weights, then generates")
 
 
 def schedule_line(cfg: RFTConfig) -> str:

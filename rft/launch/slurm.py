@@ -42,9 +42,27 @@ def resolve_kind(cluster: ClusterConfig) -> str:
 
 
 def tasks_per_node(cfg: RFTConfig) -> int:
-    """One task per GPU on GPU nodes; on CPU nodes the ranks split evenly over the nodes."""
+    """One task per GPU on GPU nodes (two when colocated: a trainer and a rollout rank share each);
+    on CPU nodes the ranks split evenly over the nodes."""
     cluster = cfg.cluster
-    return cluster.gpus_per_node if cluster.gpus_per_node else math.ceil(world_size(cfg) / cluster.nodes)
+    if not cluster.gpus_per_node:
+        return math.ceil(world_size(cfg) / cluster.nodes)
+    return cluster.gpus_per_node * (2 if cluster.colocate else 1)
+
+
+def colocated_on_gpus(cfg: RFTConfig) -> bool:
+    """Trainer and rollout ranks share GPU nodes' GPUs (cluster.colocate): Slurm then places the
+    tasks by planes of gpus_per_node (srun --distribution=plane), so that trainer rank i and
+    rollout rank T+i land on the same node, as local ranks g and g + gpus_per_node (one GPU)."""
+    return bool(cfg.cluster.colocate and cfg.cluster.gpus_per_node)
+
+
+def node_of(cfg: RFTConfig, rank: int) -> int:
+    """The allocation's node that runs global rank `rank`: Slurm's block placement in rank order,
+    or planes of gpus_per_node round-robin over the nodes when colocated on GPUs."""
+    if colocated_on_gpus(cfg):
+        return (rank // cfg.cluster.gpus_per_node) % cfg.cluster.nodes
+    return rank // tasks_per_node(cfg)
 
 
 def check_request(cfg: RFTConfig) -> None:
@@ -53,7 +71,10 @@ def check_request(cfg: RFTConfig) -> None:
     world = world_size(cfg)
     if c.nodes < 1:
         config_error("cluster.nodes", c.nodes, "use 1 or more")
-    if c.gpus_per_node and world != c.nodes * c.gpus_per_node:
+    if c.gpus_per_node and c.colocate and c.trainer_ranks != c.nodes * c.gpus_per_node:
+        config_error("cluster.trainer_ranks", c.trainer_ranks, f"colocated, a trainer rank on every GPU: must equal "
+                     f"cluster.nodes x cluster.gpus_per_node = {c.nodes} x {c.gpus_per_node}")
+    elif c.gpus_per_node and not c.colocate and world != c.nodes * c.gpus_per_node:
         config_error("cluster.trainer_ranks + cluster.rollout_ranks + cluster.judge_ranks", world,
               f"one rank per GPU: must equal cluster.nodes x cluster.gpus_per_node = "
               f"{c.nodes} x {c.gpus_per_node}")
@@ -143,15 +164,16 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
                          "site's GPUs are not Slurm gres")
         c.gpus_per_node = 0
         return f"cluster.gpus_per_node=auto -> 0 (partition {name} has CPU nodes)"
-    world = world_size(cfg)
-    per_node = math.ceil(world / c.nodes)
+    gpu_ranks = c.trainer_ranks if c.colocate else world_size(cfg)  # colocated: a rollout rank shares each GPU
+    per_node = math.ceil(gpu_ranks / c.nodes)
+    each = "one per trainer rank, each shared with a rollout rank" if c.colocate else "one per rank"
     if per_node > most:
         config_error("cluster.gpus_per_node", None,
-                     f"the {world} ranks on cluster.nodes={c.nodes} need {per_node} GPUs per node (one per rank) "
+                     f"the {gpu_ranks} ranks on cluster.nodes={c.nodes} need {per_node} GPUs per node ({each}) "
                      f"but the nodes of partition {name} have {most}; raise cluster.nodes, or set "
                      "cluster.gpus_per_node and the ranks yourself")
     c.gpus_per_node = per_node
-    return f"cluster.gpus_per_node=auto -> {per_node} (one GPU per rank; partition {name}'s nodes have {most})"
+    return f"cluster.gpus_per_node=auto -> {per_node} ({each}; partition {name}'s nodes have {most})"
 
 
 def _gpus_in_gres(gres: str) -> int:
@@ -193,12 +215,16 @@ def make_executor(cfg: RFTConfig, folder: str):
             params[key] = getattr(c, key)
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
-    extra = dict(c.sbatch_extra)
+    extra, srun_args = dict(c.sbatch_extra), []
     if cfg.rollout.on_engine_failure == "continue":
         # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero,
         # and Slurm ends a job one of whose nodes fails unless told not to (--no-kill)
-        params["srun_args"] = ["--kill-on-bad-exit=0", "--no-kill"]
+        srun_args += ["--kill-on-bad-exit=0", "--no-kill"]
         extra = {"no_kill": True, **extra}
+    if colocated_on_gpus(cfg):
+        srun_args.append(f"--distribution=plane={c.gpus_per_node}")
+    if srun_args:
+        params["srun_args"] = srun_args
     if extra:
         params["additional_parameters"] = extra
     executor.update_parameters(**params)

@@ -65,7 +65,10 @@ class Topology:
         import submitit
 
         env = submitit.JobEnvironment()
-        os.environ.setdefault("LOCAL_RANK", str(env.local_rank))  # GPU choice on multi-GPU nodes
+        # GPU choice on multi-GPU nodes; colocated, local ranks g and g + gpus_per_node share GPU g
+        # (rft/launch/slurm.py places them so)
+        gpus = cfg.cluster.gpus_per_node if cfg.cluster.colocate else 0
+        os.environ.setdefault("LOCAL_RANK", str(env.local_rank % gpus if gpus else env.local_rank))
         topology = cls.of(cfg, env.global_rank, "127.0.0.1", master_port)
         if env.num_tasks != topology.world_size:
             raise RuntimeError(f"job has {env.num_tasks} tasks but this mode's trainer + rollout + judge ranks "

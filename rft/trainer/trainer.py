@@ -26,6 +26,7 @@ from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import row_scalars
 from rft.runtime import faults
 from rft.runtime.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
+from rft.runtime.colocation import TrainerTurns
 from rft.runtime.control import Runtime, Stage
 from rft.runtime.membership import lost_ranks
 from rft.runtime.monitor import progress_path, write_json_atomic
@@ -54,6 +55,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
                         cfg.trainer.virtual_pipeline_stages, cfg.trainer.expert_parallel_size)
+    turns = TrainerTurns(cfg, topology, group.store)  # colocated roles take turns with the GPUs
+    turns.wait_started()  # colocated: vLLM sizes its KV cache before the trainer allocates anything
     lora = trains_lora(cfg)
     layers = resolve_transformer_impl(cfg.trainer.transformer_impl, lora)
     if topology.rank == 0 and torch.cuda.is_available():  # which layers a GPU run got, and why
@@ -65,6 +68,7 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
+    turns.track(runtime.progress)
     check_saved_layers((runtime.state.saved or {}).get("model"), layers)
     runtime.state.track("model", ShardedModel(model))  # saved layout-free: it may resume into another TP x PP
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, topology, geo))
@@ -77,15 +81,16 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
         publisher.begin_stage(learner.lora, adapter_sync(stage.cfg))  # a LoRA stage sends W + B A, or A and B
         step_start, unsent = time.time(), True  # a stage's first sync always sends
         for step in stage.steps():
-            scalars = step.pending if step.resumed else learner.train(stage)
-            unsent = unsent or changed_weights(scalars)
+            with turns.training(step.global_step, step.resumed):  # colocated: once the engines sleep
+                scalars = step.pending if step.resumed else learner.train(stage)
+            unsent = unsent or changed_weights(scalars) or turns.engines_drop_weights
             for point in stage.control_points(step, "trainer"):
                 point.meet(scalars, weights_changed=unsent)
                 if point.publishes and not point.sends_weights:  # the engines hold these weights already
                     publisher.keep(step.global_step)
                     scalars["sync/unchanged"] = 1.0
                 elif point.publishes:
-                    with runtime.timed("sync_s"):
+                    with runtime.timed("sync_s"), turns.publishing(step.global_step):
                         sync_start, sent = time.time(), publisher.publish(model, step.global_step,
                                                                           present_engines(topology, group))
                         scalars.update(sync_scalars(sent, time.time() - sync_start))

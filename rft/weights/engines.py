@@ -2,7 +2,8 @@
 rollout worker.
 
     sender.send(table, tensors, version) -> bytes      (trainer: one sender per PP stage)
-    receiver.receive(load_fn) -> (version, tail_s)     (rollout: every vLLM worker)
+    receiver.receive(load_fn, version) -> (version, tail_s)   (rollout: every vLLM worker; version:
+                                                              the one expected, where known)
 
   gloo        broadcast over a ProcessGroupGloo per stage (CPU; same protocol as nccl)
   nccl        broadcast over a ProcessGroupNCCL per stage, built from the same store: a stateless
@@ -46,6 +47,7 @@ from rft.weights.transfer import (
 )
 
 ENGINES = ("gloo", "nccl", "checkpoint")
+INDEX = "model.safetensors.index.json"  # written last: a version directory is complete once it is there
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[
                  for e, leader in enumerate(leaders) if leader in engines for w in range(workers)]
     lost = [str(leader) for leader in leaders if leader not in engines]
     return SyncLayout(
-        engine=sync_engine(cfg.sync, on_gpu), host=topology.master_addr, port=topology.weight_port,
+        engine=sync_engine(cfg.sync, on_gpu, cfg.cluster.colocate), host=topology.master_addr, port=topology.weight_port,
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
         receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
         checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
@@ -122,7 +124,8 @@ class BroadcastReceiver:
         self.layout, self.index = layout, index
         self.groups: list[WeightGroup] = []
 
-    def receive(self, load_fn: LoadFn) -> tuple[int, float]:
+    def receive(self, load_fn: LoadFn, version: int | None = None) -> tuple[int, float]:
+        """The next sync the senders broadcast (it is the version they send: `version` is not needed)."""
         lay = self.layout
         if not self.groups:
             store = open_store(lay.host, lay.port, False, lay.timeout_s)
@@ -145,7 +148,7 @@ def version_dir(root: str, version: int) -> str:
 
 def newest_complete_version(root: str) -> int:
     """The newest version in `root` whose index file (written last) is there; 0 if none."""
-    found = glob.glob(os.path.join(root, "v*", "model.safetensors.index.json"))
+    found = glob.glob(os.path.join(root, "v*", INDEX))
     return max((int(os.path.basename(os.path.dirname(p))[1:]) for p in found), default=0)
 
 
@@ -158,6 +161,7 @@ class CheckpointSender:
         # 2: a receiver may still be reading the previous version; None: keep all (HF exports)
         self.layout, self.stage, self.hf_files_from = layout, stage, hf_files_from
         self.keep_versions = keep_versions
+        self.sent_any = False
 
     def reopen(self, layout: SyncLayout) -> None:
         self.layout = layout  # readers find the files whoever they are
@@ -166,6 +170,10 @@ class CheckpointSender:
         from safetensors.torch import save_file
 
         lay = self.layout
+        if not self.sent_any and self.keep_versions is not None:
+            # a sync's versions after this one are a crashed attempt's: the resumed run writes them anew
+            self._drop(lambda v: v > version)
+        self.sent_any = True
         vdir = version_dir(lay.checkpoint_dir, version)
         os.makedirs(vdir, exist_ok=True)
         source = iter(tensors)
@@ -205,8 +213,11 @@ class CheckpointSender:
                            {"metadata": {"rft_version": version}, "weight_map": weight_map})
 
     def _prune(self, version: int) -> None:
+        self._drop(lambda v: v <= version - self.keep_versions)
+
+    def _drop(self, which) -> None:
         for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*")):
-            if int(os.path.basename(path)[1:]) <= version - self.keep_versions:
+            if which(int(os.path.basename(path)[1:])):
                 shutil.rmtree(path, ignore_errors=True)
 
 
@@ -217,18 +228,30 @@ class CheckpointReceiver:
         self.layout, self.index = layout, index
         self.version = 0
 
-    def receive(self, load_fn: LoadFn) -> tuple[int, float]:
+    def receive(self, load_fn: LoadFn, version: int | None = None) -> tuple[int, float]:
+        """Load `version` once it is complete; without one, the newest newer than the one loaded.
+        A run that resumes finds versions its previous attempt wrote after the checkpoint: only
+        the one the trainer publishes now is right."""
         from safetensors import safe_open
 
         lay = self.layout
         deadline = time.monotonic() + lay.timeout_s
-        while (version := newest_complete_version(lay.checkpoint_dir)) <= self.version:
+
+        def ready() -> int:
+            if version is None:
+                newest = newest_complete_version(lay.checkpoint_dir)
+                return newest if newest > self.version else 0
+            complete = os.path.exists(os.path.join(version_dir(lay.checkpoint_dir, version), INDEX))
+            return version if complete else 0
+
+        while not (found := ready()):
             if time.monotonic() > deadline:
+                wanted = f"version {version}" if version is not None else f"no weights newer than version {self.version}"
                 raise PeerTimeoutError(
-                    f"no weights newer than version {self.version} appeared in {lay.checkpoint_dir} "
-                    f"within {lay.timeout_s:.0f}s (writers: "
+                    f"{wanted} did not appear in {lay.checkpoint_dir} within {lay.timeout_s:.0f}s (writers: "
                     f"{', '.join(lay.peer_names(s)[0] for s in range(len(lay.sender_ranks)))})")
             time.sleep(self.poll_s)
+        version = found
         vdir = version_dir(lay.checkpoint_dir, version)
         tail_start = time.perf_counter()
         for s in range(len(lay.sender_ranks)):

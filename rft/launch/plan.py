@@ -124,10 +124,11 @@ def engines_line(cfg: RFTConfig) -> str:
 
 def colocation_line(cfg: RFTConfig) -> str:
     """Which ranks share a GPU and how they take turns (rft/runtime/colocation.py)."""
-    t = cfg.cluster.trainer_ranks
+    t, gpus = cfg.cluster.trainer_ranks, cfg.cluster.gpus_per_node
     pairs = ", ".join(f"{i}+{t + i}" for i in range(min(t, 4))) + (", ..." if t > 4 else "")
-    return (f"ranks {pairs} share a GPU each; vLLM sleeps (level {cfg.rollout.sleep_level}) while the trainer "
-            "trains, wakes for the new weights, then generates")
+    device = "a GPU" if gpus else "their devices (vLLM's sleep frees nothing on CPU)"
+    return (f"ranks {pairs} share {device}, taking turns: vLLM sleeps (level {cfg.rollout.sleep_level}) while "
+            "the trainer trains, wakes for the new weights, then generates")
 
 
 def schedule_line(cfg: RFTConfig) -> str:

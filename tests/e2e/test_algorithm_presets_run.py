@@ -1,4 +1,4 @@
-"""Each RL preset trains for real on the tiny quickstart model: 3 steps of the preset from the
+"""Each RL preset trains for real on the tiny quickstart model: 2 steps of the preset from the
 quickstart's SFT'd model (`exported_sft_model`, so that some groups have reward variance). Run as
 one local sweep (`-m`), which also exercises sweeps on cluster=local: runs one after another, one
 output dir each."""
@@ -13,11 +13,11 @@ from tests.e2e.helpers import REPO
 PRESETS = ["grpo", "dr_grpo", "dapo", "gspo", "cispo", "rloo", "reinforce_pp", "ppo"]
 # what each preset logs beyond the policy's losses (PPO's critic trains beside the policy)
 EXTRA_KEYS = {"ppo": ("critic/value_loss", "critic/vf_clipfrac", "critic/values_mean", "critic/grad_norm")}
-STEPS = 3
+STEPS = 2
 STAGES = "stages=[{name:rl,trainer:{max_steps:%d}}]" % STEPS
 
 
-def test_every_rl_preset_runs_three_steps_with_finite_losses(exported_sft_model, tmp_path):
+def test_every_rl_preset_runs_two_steps_with_finite_losses(exported_sft_model, tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=local",
          "model.tiny=null", f"model.path={exported_sft_model}",

@@ -7,6 +7,7 @@
             experiences = workflow(task) x group_size for each task   # vLLM, env, reward
             selector.observe(rewards); experiences = operators(experiences)   # rft/buffer/operators.py
             buffer.write(experiences)
+            colocated: the engines sleep, the trainer's turn  # rft/runtime/colocation.py (cluster.colocate)
             for each trainer step this step meets:       # rft/runtime/schedule.py (sync.offset)
                 vote at its control point                 # stop? checkpoint? (rft/runtime/control.py)
                 receive the weights the trainer published after it, if it did

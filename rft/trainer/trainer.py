@@ -2,6 +2,7 @@
 
     for each stage:
         for each step:
+            colocated: wait until the engines sleep      # rft/runtime/colocation.py (cluster.colocate)
             batch = the step's experience shard (RL)  or  dataset rows (SFT, DPO)
             optimizer step on it                        # rft/trainer/train_step.py
             vote at the step's control point            # stop? checkpoint? (rft/runtime/control.py)

@@ -4,7 +4,7 @@
                           [--out DIR] [--no-reference]
 
 The run: the quickstart shortened (30 SFT steps, then 2 GRPO steps per fault + 4), on two trainer
-ranks (TP 2) and one rollout rank, a checkpoint every 2 steps, `sync.timeout_s=60` (a hang becomes
+ranks (TP 2) and one rollout rank, a checkpoint every 2 steps, `sync.timeout_s=30` (a hang becomes
 an error within that). Each launch carries the next fault of the schedule; faults that end a
 launch are acted out inside the run by rft/runtime/faults.py (a rank SIGKILLed or SIGSTOPped during
 generation, a train step, a weight sync or a checkpoint save; a checkpoint that finds no room)
@@ -38,7 +38,7 @@ from collections import Counter
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-SFT_STEPS, SAVE_EVERY, TIMEOUT_S = 30, 2, 60
+SFT_STEPS, SAVE_EVERY, TIMEOUT_S = 30, 2, 30
 TRAINERS, ROLLOUT = (0, 1), 2  # global ranks: two TP trainer ranks, then the rollout rank
 # fault kind -> the ranks it may hit (None: not one rank); all but corrupt_shard end the launch
 KINDS: dict[str, tuple[int, ...] | None] = {

@@ -166,14 +166,15 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
         return f"cluster.gpus_per_node=auto -> 0 (partition {name} has CPU nodes)"
     gpu_ranks = c.trainer_ranks if c.colocate else world_size(cfg)  # colocated: a rollout rank shares each GPU
     per_node = math.ceil(gpu_ranks / c.nodes)
-    each = "one per trainer rank, each shared with a rollout rank" if c.colocate else "one per rank"
+    each, gpu_each = ("one per trainer rank, shared with a rollout rank", "one GPU per trainer rank, shared with "
+                      "a rollout rank") if c.colocate else ("one per rank", "one GPU per rank")
     if per_node > most:
         config_error("cluster.gpus_per_node", None,
                      f"the {gpu_ranks} ranks on cluster.nodes={c.nodes} need {per_node} GPUs per node ({each}) "
                      f"but the nodes of partition {name} have {most}; raise cluster.nodes, or set "
                      "cluster.gpus_per_node and the ranks yourself")
     c.gpus_per_node = per_node
-    return f"cluster.gpus_per_node=auto -> {per_node} ({each}; partition {name}'s nodes have {most})"
+    return f"cluster.gpus_per_node=auto -> {per_node} ({gpu_each}; partition {name}'s nodes have {most})"
 
 
 def _gpus_in_gres(gres: str) -> int:

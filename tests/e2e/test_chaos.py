@@ -12,7 +12,7 @@ import sys
 from tests.e2e.helpers import REPO
 
 KILL_EXIT_S = 30  # a SIGKILLed rank: the launcher notices within seconds; the rest is tearing down
-STOP_EXIT_S = 60 + 30  # a stopped rank: the others' sync.timeout_s (tools/chaos.py sets 60), then teardown
+STOP_EXIT_S = 30 + 30  # a stopped rank: the others' sync.timeout_s (tools/chaos.py sets 30), then teardown
 
 
 def test_chaos_run_of_single_rank_faults_loses_nothing_and_ends_as_if_never_hit(tmp_path):

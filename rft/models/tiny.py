@@ -51,9 +51,13 @@ def create_tiny_model(cfg: TinyModelConfig, out_dir: str, seed: int) -> str:
         return out_dir
     cached = os.path.join(os.environ.get("RFT_CACHE_DIR") or os.path.expanduser("~/.cache/rft"), "tiny",
                           _cache_key(cfg, seed))
-    if not os.path.isfile(os.path.join(cached, "rft_tiny.json")):
-        os.makedirs(os.path.dirname(cached), exist_ok=True)
-        _build(cfg, cached, seed)
+    try:
+        if not os.path.isfile(os.path.join(cached, "rft_tiny.json")):
+            os.makedirs(os.path.dirname(cached), exist_ok=True)
+            _build(cfg, cached, seed)
+    except OSError:  # no writable cache (a read-only home): build it where it goes
+        _build(cfg, out_dir, seed)
+        return out_dir
     tmp_dir = f"{out_dir}.tmp{os.getpid()}"
     shutil.copytree(cached, tmp_dir)
     os.replace(tmp_dir, out_dir)  # appear complete or not at all

@@ -1,7 +1,7 @@
 """Colocated roles (`cluster.colocate=true`): rollout rank T+i runs on trainer rank i's GPU, and
 the two take turns with it.
 
-    rollout rank:  engine starts, sleeps        -> "started"
+    rollout rank:  engine starts (vLLM sizes its KV cache) -> "started"
                    for each step: wake, generate, write the shard
                                   sleep         -> hands step t over ("asleep for t")
                                   meet at t; if weights are published: wake the weights, load

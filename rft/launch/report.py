@@ -126,12 +126,12 @@ def build_summary(run_dir: str, world_size: int) -> dict:
     wall = max((r.get("wall_s", 0.0) for r in ranks), default=0.0)
     # The trainer's view covers the whole step; the explorer's parts happen while it waits.
     # colocated (rft/runtime/colocation.py): the trainer's wait for the engines to sleep, their sleeps and wakes
-    trainer_split = {part: trainer.get(part, 0.0) for part in ("train_s", "sync_s", "buffer_s", "wait_s", "turn_wait_s")
-                     if part in trainer or part != "turn_wait_s"}
+    turns = tuple(part for part in ("turn_wait_s",) if part in trainer)
+    trainer_split = {part: trainer.get(part, 0.0) for part in ("train_s", "sync_s", "buffer_s", "wait_s", *turns)}
     trainer_split["other_s"] = max(0.0, trainer.get("wall_s", 0.0) - sum(trainer_split.values()))
+    sleeps = tuple(part for part in ("sleep_s", "wake_s") if part in rollout)
     explorer_split = {part: rollout.get(part, 0.0)
-                      for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s", "sleep_s", "wake_s")
-                      if part in rollout or part not in ("sleep_s", "wake_s")}
+                      for part in ("startup_s", "rollout_s", "eval_s", "buffer_s", "sync_wait_s", *sleeps)}
     explorer_split["sync_wait_s"] -= rollout.get("wake_in_sync_s", 0.0)  # shown as wake
     split = {role: parts for role, parts, ran in (("trainer", trainer_split, trainer), ("explorer", explorer_split,
                                                                                            rollout)) if ran}

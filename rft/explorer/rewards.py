@@ -33,6 +33,7 @@ instead (they wait on I/O; `asyncio.wait_for` bounds them), so they must not blo
 from __future__ import annotations
 
 import asyncio
+import importlib
 import inspect
 import logging
 import math
@@ -45,7 +46,6 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
-from math_verify import parse, verify
 
 from rft.registry import Registry
 
@@ -91,7 +91,7 @@ def gsm8k_gold(answer: str) -> str:
     return answer.rsplit("####", 1)[-1].strip().replace(",", "")
 
 
-@REWARDS.register("math_verify", needs_answer=True)
+@REWARDS.register("math_verify", needs_answer=True, preload=("math_verify",))
 def math_verify(trajectory: Experience, task: Task) -> float:
     """math_verify_answer of the response against the task's answer (see below)."""
     return math_verify_answer(trajectory.response, _answer(task, "math_verify"))
@@ -108,6 +108,11 @@ def math_verify_answer(response: str, answer: str) -> float:
     them with SIGALRM, which raises ValueError outside the main thread and would clobber the
     caller's own alarm handler. `RewardScorer` enforces the time limit instead.
     """
+    # imported here, not at the top: math-verify loads sympy's LaTeX parser (0.75 s), which the
+    # launcher's check of the reward name and every run without this reward would pay for nothing.
+    # RewardScorer imports it before forking (the registered `preload`), so no child pays it.
+    from math_verify import parse, verify
+
     gold = parse(gsm8k_gold(answer), parsing_timeout=None)
     if not gold:
         raise ValueError(
@@ -298,6 +303,8 @@ class RewardScorer:
 
     def __init__(self, spec: str | Callable, timeout_s: float) -> None:
         self.fn = REWARDS.resolve(spec)
+        for module in REWARDS.meta(self.fn).get("preload", ()):
+            importlib.import_module(module)  # once, here: every forked child then has it
         if not timeout_s > 0:
             raise ValueError(
                 f"rollout.reward_timeout_s={timeout_s!r} is invalid: use a positive number of "

@@ -303,6 +303,12 @@ class RolloutEngine:
             # steps ("CPU Generator does not use offset"): every rft request is seeded, and many
             # multi-turn prompts at once get split. Whole prefills only; GPUs keep chunking.
             kwargs["enable_chunked_prefill"] = False
+            # vLLM's sampler wraps two small ops in torch.compile (the logprob rank count, top-k/top-p)
+            # even under enforce_eager: on CPU, tracing them took 3.0 s of an engine's first request
+            # (measured, tiny model, 2 cores), and again at a new batch shape. Eager gives the same
+            # numbers. A forked engine core inherits the setting, a spawned one (TP>1) the variable.
+            os.environ["TORCH_COMPILE_DISABLE"] = "1"
+            torch._dynamo.config.disable = True
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.loop, self._own_loop = loop or LoopThread(), loop is None
         self.llm = self.run(self._start(AsyncEngineArgs(**kwargs)))

@@ -1,7 +1,7 @@
 """A chaos run: the quickstart under faults, launched again after each as a user would, to the end.
 
     python tools/chaos.py [--faults 20] [--seed 0] [--kinds kill_train,stop_sync,...] [--slurm]
-                          [--out DIR] [--no-reference]
+                          [--out DIR] [--no-reference] [--free-run]
 
 The run: the quickstart shortened (30 SFT steps, then 2 GRPO steps per fault + 4), on two trainer
 ranks (TP 2) and one rollout rank, a checkpoint every 2 steps, `sync.timeout_s=30` (a hang becomes
@@ -18,6 +18,10 @@ At the end it checks the run as the tests do: every GRPO step's experience consu
 (`metric_gaps`), and, unless --no-reference, the final weights, optimizer, RNG and every step's
 metrics bit for bit against an uninterrupted run of the same config. It prints a table per launch
 and per fault kind; the last line is one JSON object.
+
+--free-run runs the GRPO stage free-running (sync.free_run=true, buffer.max_staleness=2): which
+weights a shard was generated with then depends on timing, so there is no bit-for-bit reference;
+the exactly-once checks stay.
 """
 
 from __future__ import annotations
@@ -49,16 +53,22 @@ OUTSIDE = ("job_kill", "usr2")  # acted out by this script
 SAVE_STEP_KINDS = ("kill_save", "file_size_limit")  # fire only where a checkpoint is saved
 
 
-def overrides(run_dir: str, grpo_steps: int, cluster: str) -> list[str]:
-    return ["+experiment=quickstart", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
+FREE_RUN = ("sync.free_run=true", "buffer.max_staleness=2")
+# a free-running explorer saves up to max_staleness + 1 steps past the trainer's checkpoint and resumes
+# there: a generation fault must come after that, or the resumed launch never reaches it
+FREE_RUN_SPACING = SAVE_EVERY + 2
+
+
+def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...] = ()) -> list[str]:
+    return [*extra, "+experiment=quickstart", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
             f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
             f"stages.1.trainer.max_steps={grpo_steps}", "cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2",
             f"sync.timeout_s={TIMEOUT_S}"] + (["cluster.wait=true"] if cluster == "slurm" else [])
 
 
-def schedule(count: int, kinds: list[str], seed: int) -> list[tuple[str, int, int | None]]:
+def schedule(count: int, kinds: list[str], seed: int, spacing: int = SAVE_EVERY) -> list[tuple[str, int, int | None]]:
     """(kind, step, rank) of each fault: kinds cycle through a shuffled list (each kind once
-    before any twice), at every second GRPO step from the third on."""
+    before any twice), at every `spacing`-th GRPO step from the third on."""
     rng = random.Random(seed)
     order: list[str] = []
     faults = []
@@ -66,7 +76,7 @@ def schedule(count: int, kinds: list[str], seed: int) -> list[tuple[str, int, in
         if not order:
             order = rng.sample(kinds, len(kinds))
         kind = order.pop()
-        step = SFT_STEPS + 2 + SAVE_EVERY * index  # a checkpoint step: every kind fires there
+        step = SFT_STEPS + 2 + spacing * index  # a checkpoint step: every kind fires there
         ranks = KINDS[kind]
         faults.append((kind, step, rng.choice(ranks) if ranks else None))
     return faults
@@ -212,7 +222,10 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     parser.add_argument("--slurm", action="store_true", help="on the local Slurm (tools/slurm_local.sh), not cluster=local")
     parser.add_argument("--out", default=None, help="where the runs go (default: a new temporary directory)")
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run to compare with")
+    parser.add_argument("--free-run", action="store_true", help="GRPO free-running (implies --no-reference)")
     args = parser.parse_args()
+    extra = FREE_RUN if args.free_run else ()
+    args.no_reference = args.no_reference or args.free_run
     kinds = [k for k in args.kinds.split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
@@ -226,9 +239,10 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     out = args.out or tempfile.mkdtemp(prefix="rft-chaos-")
     os.makedirs(out, exist_ok=True)
     run_dir = os.path.join(out, "run")
-    grpo_steps = SAVE_EVERY * args.faults + 4
+    spacing = FREE_RUN_SPACING if args.free_run else SAVE_EVERY
+    grpo_steps = spacing * args.faults + 4
     cluster = "slurm" if args.slurm else "local"
-    planned = schedule(args.faults, kinds, args.seed)
+    planned = schedule(args.faults, kinds, args.seed, spacing)
     console.print(f"chaos: {args.faults} faults over {grpo_steps} GRPO steps in {run_dir}")
 
     launches, pending = [], list(planned)
@@ -243,7 +257,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
         outside = [(k, s) for k, s, _ in carried if k in OUTSIDE]
         env = {**os.environ, "RFT_FAULTS": ",".join(inside)} if inside else dict(os.environ)
         log = os.path.join(out, f"launch{len(launches):02d}.log")
-        result = launch(overrides(run_dir, grpo_steps, cluster), env, log, outside, run_dir, cluster)
+        result = launch(overrides(run_dir, grpo_steps, cluster, extra), env, log, outside, run_dir, cluster)
         result["faults"] = carried
         launches.append(result)
         times = fault_times(run_dir)

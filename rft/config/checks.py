@@ -213,6 +213,27 @@ def _check_colocate(cfg: RFTConfig) -> None:
                      "weights through the checkpoint engine: use sync.lora=merged")
 
 
+def _check_free_run(cfg: RFTConfig) -> None:
+    """A free-running explorer (rft/runtime/free_run.py) is bounded by the staleness limit alone."""
+    if not cfg.sync.free_run:
+        return
+    why, lead = "sync.free_run=true: ", cfg.buffer.max_staleness
+    if lead is None or lead < cfg.sync.interval - 1:
+        config_error("buffer.max_staleness", lead, why + "the explorer runs ahead while its shards stay within "
+                     f"this many trainer steps of their weights; use {max(1, cfg.sync.interval - 1)} or more "
+                     f"(at least sync.interval - 1 = {cfg.sync.interval - 1}, or it would wait for weights "
+                     "the trainer never sends)")
+    if cfg.sync.offset:
+        config_error("sync.offset", cfg.sync.offset, why + "the explorer's lead is buffer.max_staleness, not a "
+                     "fixed offset: use sync.offset=0")
+    if cfg.cluster.colocate:
+        config_error("cluster.colocate", True, why + "colocated roles take turns with their GPUs, so neither runs "
+                     "free: use one of the two")
+    if cfg.rollout.on_engine_failure != "fail":
+        config_error("rollout.on_engine_failure", cfg.rollout.on_engine_failure, why + "engines that may be lost "
+                     "are not supported yet when running free: use rollout.on_engine_failure=fail")
+
+
 def _check_bench(cfg: RFTConfig) -> None:
     b = cfg.bench
     if not b.checkpoints and not b.run_dir:
@@ -259,6 +280,7 @@ def validate(cfg: RFTConfig) -> None:
         _check_serve(cfg)
     _check_engine_failure(cfg)
     _check_colocate(cfg)
+    _check_free_run(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):

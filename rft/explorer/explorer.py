@@ -11,6 +11,8 @@
             for each trainer step this step meets:       # rft/runtime/schedule.py (sync.offset)
                 vote at its control point                 # stop? checkpoint? (rft/runtime/control.py)
                 receive the weights the trainer published after it, if it did
+            (free-running, sync.free_run: no meetings; take the newest weights offered, and wait only
+             while the next shard would be too stale: rft/explorer/free_run.py)
         evaluate (stage end)
 """
 
@@ -34,6 +36,7 @@ from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import Task, row_scalars
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
+from rft.explorer.free_run import FreeRunning
 from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
@@ -46,7 +49,7 @@ from rft.runtime.colocation import EngineSleep
 from rft.runtime.control import Runtime, Stage, Step
 from rft.runtime.monitor import append_jsonl, drop_from_step, eval_path
 from rft.runtime.preemption import ControlGroup, StopFlag
-from rft.runtime.schedule import is_eval_step
+from rft.runtime.schedule import free_running, is_eval_step
 from rft.runtime.state import Value
 from rft.runtime.topology import Topology
 from rft.weights.engines import sync_layout
@@ -70,22 +73,13 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
                          reward_errors=0, failed_samples=0, eval_samples=0,
                          **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0} if judges else {}))
     explorer = Explorer(cfg, topology, engines, runtime, judges)
+    free = FreeRunning(cfg, topology, runtime, explorer)
     for stage in runtime.stages():
         explorer.begin(stage)
-        for step in stage.steps():
-            scalars = step.pending if step.resumed else explorer.explore(stage, step)
-            points = stage.control_points(step, "rollout")
-            explorer.hand_over([point.version for point in points])  # colocated: sleep while the trainer trains
-            with runtime.timed("sync_wait_s"):
-                for point in points:
-                    point.meet(scalars)
-                    if point.publishes and not point.sends_weights:  # the trainer took no optimizer step
-                        explorer.keep_weights(point.version)
-                    elif point.publishes:
-                        scalars["timing/weight_apply_s"] = explorer.receive_weights(point.version)
-            runtime.log(stage, step.global_step, scalars)
-            if is_eval_step(cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
-                explorer.evaluate(stage, "interval", step.global_step)
+        if free_running(cfg, stage.cfg):  # sync.free_run: no meetings at the trainer's steps
+            free.run_stage(stage)
+        else:
+            run_lockstep(explorer, stage)
         explorer.evaluate(stage, "end", stage.start + stage.cfg.trainer.max_steps)
         explorer.end()
     if explorer.endpoint is not None:
@@ -93,6 +87,25 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
     for engine in engines:
         engine.close()
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
+
+
+def run_lockstep(explorer: Explorer, stage: Stage) -> None:
+    """A stage's steps, each meeting the trainer steps it pairs with (rft/runtime/schedule.py)."""
+    runtime = explorer.runtime
+    for step in stage.steps():
+        scalars = step.pending if step.resumed else explorer.explore(stage, step)
+        points = stage.control_points(step, "rollout")
+        explorer.hand_over([point.version for point in points])  # colocated: sleep while the trainer trains
+        with runtime.timed("sync_wait_s"):
+            for point in points:
+                point.meet(scalars)
+                if point.publishes and not point.sends_weights:  # the trainer took no optimizer step
+                    explorer.keep_weights(point.version)
+                elif point.publishes:
+                    scalars["timing/weight_apply_s"] = explorer.receive_weights(point.version)
+        runtime.log(stage, step.global_step, scalars)
+        if is_eval_step(explorer.cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
+            explorer.evaluate(stage, "interval", step.global_step)
 
 
 def prune_adapters(root: str, keep: str) -> None:

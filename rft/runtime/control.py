@@ -28,9 +28,10 @@ from dataclasses import dataclass, field
 
 from rft.config import RFTConfig, stage_configs
 from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
+from rft.runtime.free_run import TrainerVotes
 from rft.runtime.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag, requeue_or_stop
-from rft.runtime.schedule import paired_trainer_steps, publishes_after
+from rft.runtime.schedule import free_running, paired_trainer_steps, publishes_after
 from rft.runtime.state import Progress, RankState
 from rft.runtime.topology import Topology
 
@@ -56,6 +57,11 @@ class Runtime:
         self.clock = SaveClock(cfg.trainer.save_every_min)
         self.save_hooks: list[Callable[[int], None]] = []  # with every checkpoint, on every rank (HF export)
         self.saved_hooks: list[Callable[[int], None]] = []  # once every rank has saved (pruning)
+        # free-running stages (rft/runtime/free_run.py): the trainer ranks meet at their steps alone
+        self.trainer_votes = None
+        if cfg.sync.free_run and topology.rank < topology.trainer_ranks:
+            self.trainer_votes = TrainerVotes(group.store, topology.trainer_ranks, topology.rank, cfg.sync.timeout_s,
+                                              topology.member_name)
 
     def stages(self) -> Iterator[Stage]:
         """The run's stages from where this rank resumes; the checkpoint's stage is re-entered at
@@ -80,13 +86,10 @@ class Runtime:
             self.monitor.log(step, scalars, stage.name)
 
     def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float]) -> None:
-        """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote."""
-        p = self.progress
-        p.global_step, p.stage_index, p.step, p.voted, p.pending = step.global_step, stage.index, step.index, voted, scalars
-        self.state.save(done)
-        for hook in self.save_hooks:
-            hook(done)
-        self.group.any(False)  # every rank's file is written: the checkpoint is complete
+        """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote
+        (in a free-running stage the explorer adds its file later: `save_own`)."""
+        self.save_own(done, stage, step, voted, scalars)
+        stage.voters.any(False)  # every rank's file is written: the checkpoint is complete
         absent = [r for r in self.group.members if r not in self.group.present]
         if absent:  # engines lost (rollout.on_engine_failure=continue): complete once rank 0 names stand-ins
             if self.topology.rank == 0:
@@ -94,6 +97,15 @@ class Runtime:
                 record_stand_ins(self.cfg.run.output_dir, done, {r: engines[0] for r in absent})
             self.group.any(False)
         for hook in self.saved_hooks:
+            hook(done)
+
+    def save_own(self, done: int, stage: Stage, step: Step, voted: int = 0, scalars: dict[str, float] | None = None) -> None:
+        """This rank's file of checkpoint `done`, holding its position `step` (a free-running
+        explorer's is at or after `done`: rft/runtime/free_run.py)."""
+        p = self.progress
+        p.global_step, p.stage_index, p.step, p.voted, p.pending = step.global_step, stage.index, step.index, voted, scalars or {}
+        self.state.save(done)
+        for hook in self.save_hooks:
             hook(done)
         self.clock.saved()
 
@@ -115,6 +127,9 @@ class Stage:
         self.start = start  # global steps of the stages before
         self.resumed = resumed  # re-entered from a checkpoint taken in this stage
         progress = runtime.progress
+        # free-running (sync.free_run, rollout stages): the explorer never meets the trainer's steps
+        self.free = free_running(runtime.cfg, cfg)
+        self.voters = runtime.trainer_votes if self.free and runtime.trainer_votes is not None else runtime.group
         self.first_step = progress.step if resumed else 0
         self._voted, self._pending = (progress.voted, progress.pending) if resumed else (0, {})
 
@@ -153,14 +168,20 @@ class ControlPoint:
         rank alike, whether a publishing point sends weights."""
         if self.met:
             return
-        runtime, cfg = self.stage.runtime, self.stage.runtime.cfg
-        stopping, save_due, self.sends_weights = runtime.group.vote(runtime.stop.requested, runtime.clock.due(),
-                                                                    weights_changed)
+        runtime, cfg, voters = self.stage.runtime, self.stage.runtime.cfg, self.stage.voters
+        stopping, save_due, self.sends_weights = voters.vote(runtime.stop.requested, runtime.clock.due(), weights_changed)
         done = self.stage.start + self.t + 1  # trainer steps done: what the checkpoint is named by
         if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
             runtime.save(done, self.stage, self.step, self.t, scalars)
+            if self.stage.free and runtime.topology.rank == 0:  # the explorer's file completes it
+                voters.request_save(done, stopping)
             if stopping:
                 if runtime.monitor is not None:
                     runtime.monitor.close()
                 requeue_or_stop(runtime.group, runtime.stop, cfg.run.output_dir, done, cfg.cluster.max_requeues)
+
+    def offer(self) -> None:
+        """Free-running, trainer rank 0 before this point's sync: the engines may take the weights."""
+        if self.stage.free and self.stage.runtime.topology.rank == 0:
+            self.stage.voters.offer(self.version, self.sends_weights)
 

@@ -33,6 +33,11 @@ def is_eval_step(cfg: RFTConfig, global_step: int, step: int, max_steps: int) ->
     return bool(interval) and global_step % interval == 0 and step + 1 < max_steps
 
 
+def free_running(cfg: RFTConfig, stage: RFTConfig) -> bool:
+    """Whether the explorer runs free of the trainer's steps in this stage (rft/runtime/free_run.py)."""
+    return cfg.sync.free_run and cfg.mode == "both" and needs_rollouts(stage)
+
+
 def stage_offset(cfg: RFTConfig, stage: RFTConfig) -> int:
     """How many steps the explorer runs ahead in this stage (0 outside rollout stages)."""
     return cfg.sync.offset if needs_rollouts(stage) else 0

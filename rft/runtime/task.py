@@ -165,10 +165,10 @@ def _rank_main(config: dict, master_port: int) -> dict:
         pulse.reach = (topology.master_addr, topology.control_port)  # and a partition is named by it
     import torch
 
-    # roles take turns when synchronous; with sync.offset they run at once and would oversubscribe
-    # shared cores (measured on 2 cores, tools/bench_async.py: all cores each 0.72 s/step, half 0.33)
+    # roles take turns when synchronous; with sync.offset or sync.free_run they run at once and would
+    # oversubscribe shared cores (measured on 2 cores, tools/bench_async.py: all cores each 0.72 s/step, half 0.33)
     cores = os.cpu_count() or 1
-    threads = cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset else cores)
+    threads = cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset or cfg.sync.free_run else cores)
     torch.set_num_threads(threads)
     from rft.runtime.checkpoint import newest_complete
     from rft.runtime.preemption import ControlGroup, StopFlag, hold_until_finished

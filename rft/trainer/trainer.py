@@ -6,7 +6,8 @@
             batch = the step's experience shard (RL)  or  dataset rows (SFT, DPO)
             optimizer step on it                        # rft/trainer/train_step.py
             vote at the step's control point            # stop? checkpoint? (rft/runtime/control.py)
-            publish the weights if the schedule says so # rft/runtime/schedule.py
+            publish the weights if the schedule says so # rft/runtime/schedule.py; free-running: offered
+                                                        # to the explorer, which takes them when it can
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
             unsent = unsent or changed_weights(scalars) or turns.engines_drop_weights
             for point in stage.control_points(step, "trainer"):
                 point.meet(scalars, weights_changed=unsent)
+                if point.publishes:
+                    point.offer()  # free-running: the engines take it at their next step boundary
                 if point.publishes and not point.sends_weights:  # the engines hold these weights already
                     publisher.keep(step.global_step)
                     scalars["sync/unchanged"] = 1.0

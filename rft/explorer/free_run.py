@@ -1,0 +1,105 @@
+"""A rollout rank's free-running stage (sync.free_run; the protocol is rft/runtime/free_run.py):
+
+    for each step:
+        generate and write the step's shard            (unless resumed: done before the checkpoint)
+        between steps, until the next shard may start:
+            agree with the other engines on what the trainer offered and asked for
+            answer a checkpoint asked for: this rank's file, at this step; stopping: requeue with all
+            take the newest weights offered
+            wait for newer ones while the next shard would be trained more than
+            buffer.max_staleness trainer steps after its weights
+    after the last step: the same, until the stage's last weights are taken
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from rft.config import RFTConfig
+from rft.runtime.control import Runtime, Stage, Step
+from rft.runtime.free_run import ExplorerLink, Offer, SaveRequest
+from rft.runtime.preemption import requeue_or_stop
+from rft.runtime.schedule import is_eval_step
+from rft.runtime.topology import Topology
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What every engine agrees the trainer offered and asked for, at one look."""
+
+    offer: Offer | None
+    save: SaveRequest | None
+
+
+class FreeRunning:
+    def __init__(self, cfg: RFTConfig, topology: Topology, runtime: Runtime, explorer):
+        self.cfg, self.runtime, self.explorer = cfg, runtime, explorer
+        self.link = ExplorerLink(runtime.group.store, topology.trainer_ranks, cfg.sync.timeout_s, topology.member_name)
+        self.lead = cfg.buffer.max_staleness
+        self.answered = 0  # the newest checkpoint this rank wrote its file into
+        self.loaded: int | None = None  # the weights version the engines hold (None: a restart's, not the trainer's)
+        self.looks = 0  # agreements so far: every engine looks alike, so their meeting keys match
+
+    def run_stage(self, stage: Stage) -> None:
+        explorer = self.explorer
+        # a restarted explorer's engines hold the model's initial weights, whatever version it saved
+        self.loaded = None if stage.resumed else explorer.version.value
+        steps = stage.cfg.trainer.max_steps
+        for step in stage.steps():
+            scalars = step.pending if step.resumed else explorer.explore(stage, step)
+            self.runtime.log(stage, step.global_step, scalars)
+            if is_eval_step(self.cfg, step.global_step, step.index, steps):
+                explorer.evaluate(stage, "interval", step.global_step)
+            # the next shard (step.global_step, 0-based) is trained at trainer step step.global_step + 1;
+            # after the last one the stage's last weights are wanted (its end evaluation uses them)
+            last = step.index + 1 == steps
+            self.between(stage, step, step.global_step if last else step.global_step - self.lead)
+
+    def between(self, stage: Stage, step: Step, need: int) -> None:
+        """After `step`: answer checkpoints, take the newest weights, until version `need` is served."""
+        with self.runtime.timed("sync_wait_s"):
+            while True:
+                seen = self.agree(step)
+                self.answer(seen.save, stage, step)
+                self.take(seen.offer)
+                if self.loaded is not None and self.explorer.version.value >= need:
+                    return
+                self.link.wait(lambda seen=seen: self.link.newer_than(seen.offer, seen.save),
+                               f"weights version {need}", chore=self.post_stop)
+
+    def agree(self, step: Step) -> Seen:
+        """The trainer's offer and checkpoint request, the newest any engine saw: all engines take
+        the same weights (a broadcast needs every one) and save at the same step."""
+        self.post_stop()
+        self.looks += 1
+        mine = Seen(self.link.offer(), self.link.save_request())
+        shares = self.explorer.dealer.gather(f"free/{step.global_step}/{self.looks}", mine).values()
+        offers = [s.offer for s in shares if s.offer is not None]
+        saves = [s.save for s in shares if s.save is not None]
+        return Seen(max(offers, default=None), max(saves, default=None))
+
+    def post_stop(self) -> None:
+        if self.runtime.stop.requested:
+            self.link.post_stop()
+
+    def answer(self, save: SaveRequest | None, stage: Stage, step: Step) -> None:
+        """This rank's file of the newest checkpoint the trainer saved, at this step; on a stop,
+        requeue with every rank (rft/runtime/preemption.py)."""
+        if save is None or save.done <= self.answered:
+            return
+        self.runtime.save_own(save.done, stage, step)
+        self.answered = save.done
+        if save.stopping:
+            if self.runtime.monitor is not None:
+                self.runtime.monitor.close()
+            requeue_or_stop(self.runtime.group, self.runtime.stop, self.cfg.run.output_dir, save.done,
+                            self.cfg.cluster.max_requeues)
+
+    def take(self, offer: Offer | None) -> None:
+        """Load the offered weights unless the engines hold them; serve them as the offered version."""
+        if offer is None or (self.loaded is not None and offer.version <= self.explorer.version.value):
+            return
+        if offer.weights != self.loaded:
+            self.explorer.receive_weights(offer.weights)
+            self.loaded = offer.weights
+        self.explorer.keep_weights(offer.version)

@@ -1,0 +1,71 @@
+"""sync.free_run=true on the quickstart: GRPO from the SFT warm-up with the explorer running free of
+the trainer's steps, stopped half way by the time-limit signal and launched again to its end.
+
+The explorer runs ahead (shards trained a step or two after the weights that generated them), never
+past buffer.max_staleness (no shard is dropped as stale), and the run learns with the quickstart
+test's thresholds. The stop: the trainer saves at its step, the explorer adds its file to that
+checkpoint from wherever it is (ahead), and the launch stops; launched again, the shards the
+explorer wrote after its own position are set aside, and every step's experience is trained exactly
+once."""
+
+import json
+import os
+import signal
+from pathlib import Path
+
+from rft.buffer.shards import ExperienceBuffer
+from rft.runtime.checkpoint import newest_complete
+from tests.e2e.helpers import launch, launch_until_step
+
+STEPS, LEAD, SAVE_EVERY = 20, 2, 4
+STAGE = f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, trainer: {{max_steps: {STEPS}}}}}]"
+
+
+def _rows(run_dir: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics" / name).read_text().splitlines()]
+
+
+def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_exactly_once(exported_sft_model, tmp_path):
+    run_dir = tmp_path / "run"
+    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "model.tiny=null",
+                 f"model.path={exported_sft_model}", "sync.free_run=true", f"buffer.max_staleness={LEAD}",
+                 f"trainer.save_interval={SAVE_EVERY}",
+                 STAGE]
+    launcher = launch_until_step([*overrides, "monitor.progress=false"], run_dir, STEPS // 2)
+    for pid_file in (run_dir / "pids").glob("rank*.pid"):  # what Slurm sends every task before the limit
+        os.kill(int(pid_file.read_text()), signal.SIGUSR2)
+    out, err = launcher.communicate(timeout=300)
+    assert launcher.returncode != 0 and "launch again with run.output_dir=" in out + err, out[-3000:] + err[-3000:]
+    stopped_at = max(int(p.name[4:]) for p in (run_dir / "checkpoints").glob("step*"))
+    assert STEPS // 2 <= stopped_at < STEPS
+    saved = newest_complete(str(run_dir), [0, 1])
+    explorer_at = saved.load(1)["progress"]["global_step"]  # the explorer's file: where it was, ahead
+    assert saved.done == stopped_at and stopped_at <= explorer_at <= stopped_at + LEAD + 1, (stopped_at, explorer_at)
+
+    result = launch(*overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
+    assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
+
+    # every step's experience trained once, none left, each step logged once by the trainer
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(STEPS)]
+    assert buffer.pending() == []
+    trainer = _rows(run_dir, "trainer0.jsonl")
+    assert [r["step"] for r in trainer] == list(range(1, STEPS + 1))
+
+    # ahead of the trainer, within the bound: nothing dropped as stale
+    lags = [r["policy/version_lag"] for r in trainer]
+    assert max(lags) <= LEAD and max(lags) >= 1, lags
+    assert trainer[-1]["buffer/stale_dropped"] == 0
+    versions = {}
+    for line in (run_dir / "buffer" / "manifest.jsonl").read_text().splitlines():
+        entry = json.loads(line)
+        versions[entry["step"]] = entry["version"]
+    assert all(0 <= shard - version <= LEAD for shard, version in versions.items()), versions
+
+    # it learns: the quickstart test's thresholds
+    evals = _rows(run_dir, "eval.jsonl")
+    start, end = evals[0]["accuracy"], evals[-1]["accuracy"]
+    assert start >= 0.15 and end >= start + 0.05, (start, end)
+    assert evals[-1]["version"] == STEPS  # the end eval ran on the last weights

@@ -17,6 +17,10 @@ the trainer reads them back (`from_table`) into its batches, and the algorithms 
     metrics        workflow metrics (name -> number), response (the text the reward read)
     routed_experts optional, MoE policies with routing replay: the experts vLLM routed each token
                    to, [tokens, layers, k] (rft/trainer/routing_replay.py); absent in older shards
+    token_versions optional, the weights version that sampled each token (-1 where the policy
+                   sampled none): a weight update may cut a generation that then goes on with
+                   newer weights (rollout.partial_rollout); null where the workflow recorded
+                   none, and in older shards: every sampled token is then `version`'s
 
 Why rows are whole trajectories with a mask rather than (prompt, response) pairs: a multi-turn
 conversation interleaves sampled and non-sampled tokens, and the trainer must score exactly the
@@ -39,7 +43,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SCHEMA_VERSION = 1
-OPTIONAL_COLUMNS = ("routed_experts",)  # added within version 1: a shard without it reads as None
+OPTIONAL_COLUMNS = ("routed_experts", "token_versions")  # added within version 1: a shard without them reads as None
 _VERSION_KEY = b"rft.experience_schema"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32: larger ones become inf
 
@@ -63,6 +67,7 @@ SCHEMA = pa.schema([
     pa.field("response", pa.string(), nullable=False),
     pa.field("routed_experts", pa.struct([("layers", pa.int32()), ("topk", pa.int32()),
                                           ("ids", pa.list_(pa.uint16()))])),
+    pa.field("token_versions", pa.list_(pa.int64())),
 ], metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
@@ -89,13 +94,16 @@ class Experience:
     metrics: dict[str, float] = field(default_factory=dict)
     response: str = ""  # the text the reward function reads (last model turn, or an env's answer)
     routed_experts: np.ndarray | None = None  # [tokens, layers, k]: vLLM's routing, to replay
+    token_versions: list[int] | None = None  # each token's sampling weights (-1: not sampled); None: all `version`'s
 
     def check(self) -> None:
         """ValueError naming what is inconsistent (a workflow's bug, caught before the buffer)."""
         n = len(self.token_ids)
-        if len(self.loss_mask) != n or len(self.logprobs) != n:
+        if len(self.loss_mask) != n or len(self.logprobs) != n or \
+                (self.token_versions is not None and len(self.token_versions) != n):
+            versions = "" if self.token_versions is None else f", token_versions ({len(self.token_versions)})"
             raise ValueError(f"experience {self.trajectory_id or '?'}: token_ids ({n}), loss_mask "
-                             f"({len(self.loss_mask)}) and logprobs ({len(self.logprobs)}) differ in length")
+                             f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}){versions} differ in length")
         if not 0 <= self.prompt_length <= n:
             raise ValueError(f"experience {self.trajectory_id or '?'}: prompt_length {self.prompt_length} "
                              f"outside [0, {n}]")
@@ -183,9 +191,11 @@ def from_table(table: pa.Table) -> list[Experience]:
     names = [f.name for f in fields(Experience) if f.name not in OPTIONAL_COLUMNS]
     rows = table.select(names).to_pylist()
     routes = _routed_experts(table)
-    for row, routed in zip(rows, routes):
+    versions = table.column("token_versions").to_pylist() if "token_versions" in table.column_names \
+        else [None] * table.num_rows
+    for row, routed, token_versions in zip(rows, routes, versions):
         row["metrics"] = json.loads(row["metrics"])
-        row["routed_experts"] = routed
+        row["routed_experts"], row["token_versions"] = routed, token_versions
     return [Experience(**row) for row in rows]
 
 

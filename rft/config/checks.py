@@ -100,6 +100,10 @@ def _check_experts(cfg: RFTConfig, experts: int) -> None:
     if trainer.routing_replay == "rollout" and not experts:
         config_error("trainer.routing_replay", "rollout",
                      f"model.path={cfg.model.path!r} has no experts to route: use none")
+    if trainer.routing_replay == "rollout" and cfg.rollout.partial_rollout:
+        config_error("rollout.partial_rollout", True, "a sample cut by a weight update goes on in a new request, whose "
+                     "routed experts cover only its own tokens: use partial_rollout=false with "
+                     "trainer.routing_replay=rollout")
     if trainer.routing_replay == "rollout" and trainer.recompute == "full":
         config_error("trainer.routing_replay", "rollout", "trainer.recompute=full re-runs the routers in backward, "
                      "after the replayed routes are released: use recompute=none or selective")

@@ -157,6 +157,7 @@ class Explorer:
         self.eval_tasks: list[Task] = []
         self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
         self.sleep = EngineSleep(cfg, topology, engines, runtime) if cfg.cluster.colocate else None
+        self.continued = 0  # samples continued after a weight update cut them, all steps (partial rollout)
 
     def resend_quarantined(self) -> None:
         """Write again the shards of ours the trainer quarantined for a bad checksum."""
@@ -263,7 +264,16 @@ class Explorer:
                 **outcome_scalars(outcomes, experiences, "rollout"), **filter_stats, **self._judge_scalars(),
                 **self.operators.take_scalars(), **self.selector.scalars(),
                 **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {}),
-                **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {})}
+                **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {}),
+                **self._continued_scalars(rollout.partial_rollout)}
+
+    def _continued_scalars(self, partial: bool) -> dict[str, float]:
+        """rollout.partial_rollout: samples a weight update cut that went on with newer weights, this step."""
+        if not partial:
+            return {}
+        continued = sum(engine.continued for engine in self.engines)
+        count, self.continued = continued - self.continued, continued
+        return {"rollout/continued_samples": float(count)}
 
     def _observe(self, experiences: list[Experience], batch: str) -> None:
         """Tell the selector each trajectory's reward (before any operator reshapes it); with

@@ -9,15 +9,20 @@
             wait for newer ones while the next shard would be trained more than
             buffer.max_staleness trainer steps after its weights
     after the last step: the same, until the stage's last weights are taken
+
+With rollout.partial_rollout a thread of the rank takes each offer as it comes instead, cutting
+the generations in flight, which go on with the new weights (RolloutEngine.generate); the step
+boundaries then only answer checkpoints and wait for the version the next shard needs.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 from rft.config import RFTConfig
 from rft.runtime.control import Runtime, Stage, Step
-from rft.runtime.free_run import ExplorerLink, Offer, SaveRequest
+from rft.runtime.free_run import POLL_S, ExplorerLink, Offer, SaveRequest
 from rft.runtime.preemption import requeue_or_stop
 from rft.runtime.schedule import is_eval_step
 from rft.runtime.topology import Topology
@@ -39,12 +44,23 @@ class FreeRunning:
         self.answered = 0  # the newest checkpoint this rank wrote its file into
         self.loaded: int | None = None  # the weights version the engines hold (None: a restart's, not the trainer's)
         self.looks = 0  # agreements so far: every engine looks alike, so their meeting keys match
+        self.watcher: WeightWatcher | None = None  # rollout.partial_rollout: takes offers mid-generation
 
     def run_stage(self, stage: Stage) -> None:
         explorer = self.explorer
         # a restarted explorer's engines hold the model's initial weights, whatever version it saved
         self.loaded = None if stage.resumed else explorer.version.value
-        steps = stage.cfg.trainer.max_steps
+        if stage.cfg.rollout.partial_rollout:
+            self.watcher = WeightWatcher(self.link, self.take)
+        try:
+            self._steps(stage)
+        finally:
+            if self.watcher is not None:
+                self.watcher.stop()
+                self.watcher = None
+
+    def _steps(self, stage: Stage) -> None:
+        explorer, steps = self.explorer, stage.cfg.trainer.max_steps
         for step in stage.steps():
             scalars = step.pending if step.resumed else explorer.explore(stage, step)
             self.runtime.log(stage, step.global_step, scalars)
@@ -61,11 +77,18 @@ class FreeRunning:
             while True:
                 seen = self.agree(step)
                 self.answer(seen.save, stage, step)
-                self.take(seen.offer)
-                if self.loaded is not None and self.explorer.version.value >= need:
+                if self.watcher is None:
+                    self.take(seen.offer)
+                if self.serves(need):
                     return
-                self.link.wait(lambda seen=seen: self.link.newer_than(seen.offer, seen.save),
+                self.link.wait(lambda seen=seen: self.link.newer_than(seen.offer, seen.save) or self.serves(need),
                                f"weights version {need}", chore=self.post_stop)
+
+    def serves(self, need: int) -> bool:
+        """The engines serve the trainer's weights of version `need` or newer."""
+        if self.watcher is not None:
+            self.watcher.raise_failure()
+        return self.loaded is not None and self.explorer.version.value >= need
 
     def agree(self, step: Step) -> Seen:
         """The trainer's offer and checkpoint request, the newest any engine saw: all engines take
@@ -103,3 +126,36 @@ class FreeRunning:
             self.explorer.receive_weights(offer.weights)
             self.loaded = offer.weights
         self.explorer.keep_weights(offer.version)
+
+
+class WeightWatcher:
+    """rollout.partial_rollout: a thread that takes each offer as soon as the trainer makes it,
+    cutting the generations in flight (they go on with the new weights); its failure (a sync that
+    timed out) is raised on the rank's own thread at its next look (`raise_failure`)."""
+
+    def __init__(self, link: ExplorerLink, take):
+        self.link, self.take = link, take
+        self.stopped = threading.Event()
+        self.failure: BaseException | None = None
+        self.thread = threading.Thread(target=self._watch, name="rft-weight-watcher", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        seen = None
+        try:
+            while not self.stopped.wait(POLL_S):
+                offer = self.link.offer()
+                if offer is not None and offer != seen:
+                    self.take(offer)
+                    seen = offer
+        except BaseException as err:  # noqa: BLE001 - handed to the rank's thread
+            self.failure = err
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise self.failure
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.thread.join()
+        self.raise_failure()

@@ -93,6 +93,7 @@ class Conversation:
         self.prompt_length = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_length
         self.logprobs = [0.0] * self.prompt_length
+        self.versions = [-1] * self.prompt_length  # the weights version that sampled each token (-1: none)
         self.turns = 0
         self.last: Completion | None = None
         self.finish_reason = ""
@@ -119,6 +120,7 @@ class Conversation:
             branch = copy.copy(self)
             branch.token_ids, branch.loss_mask = list(self.token_ids), list(self.loss_mask)
             branch.logprobs, branch.messages = list(self.logprobs), list(self.messages)
+            branch.versions = list(self.versions)
             branch._append(turn)
             branches.append(branch)
         return branches
@@ -129,6 +131,7 @@ class Conversation:
         self.token_ids += turn.token_ids
         self.loss_mask += [1] * len(turn.token_ids)
         self.logprobs += turn.logprobs
+        self.versions += turn.versions or [-1] * len(turn.token_ids)
         self.messages.append({"role": "assistant", "content": turn.text})
         self.turns += bool(turn.token_ids)
         self.last, self.finish_reason = turn, turn.finish_reason
@@ -143,6 +146,7 @@ class Conversation:
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
+        self.versions += [-1] * len(ids)
         self.messages += messages
 
     def experience(self, reward: float | None = None, **fields) -> Experience:
@@ -152,4 +156,5 @@ class Conversation:
         fields.setdefault("finish_reason", self.finish_reason)
         return Experience(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask),
                           logprobs=list(self.logprobs), prompt_length=self.prompt_length, reward=reward,
-                          turns=self.turns, routed_experts=self.routed_experts, **fields)
+                          turns=self.turns, routed_experts=self.routed_experts, token_versions=list(self.versions),
+                          **fields)

@@ -64,6 +64,14 @@ class Outcome:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
+def oldest_version(exp: Experience, served: int) -> int:
+    """The oldest weights version that sampled a token of `exp` (rollout.partial_rollout may mix
+    versions in one generation); `served` (the engine's now) where every token has the same one."""
+    if exp.token_versions is None:
+        return served
+    return min((v for v in exp.token_versions if v >= 0), default=served)
+
+
 def sample_seed(*key: object) -> int:
     """A 48-bit seed from any key (run seed, step, round, task, sample): reproducible across runs
     and processes (Python's hash() is salted per process), and unrelated for neighbouring keys."""
@@ -140,7 +148,8 @@ class WorkflowRunner:
                 for index, exp in enumerate(experiences):
                     sample = first + (index if count > 1 else 0)
                     exp.group_id, exp.trajectory_id = group_id, f"{group_id}:{sample}"
-                    exp.task_id, exp.version = task.task_id, engine.version
+                    # the oldest weights that sampled any of its tokens: what its staleness is counted from
+                    exp.task_id, exp.version = task.task_id, oldest_version(exp, engine.version)
                 return experiences
             if attempt + 1 < tries:
                 outcome.retries += 1

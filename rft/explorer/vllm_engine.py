@@ -16,7 +16,7 @@ import threading
 import time
 import uuid
 from collections.abc import Awaitable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from rft.config import ModelConfig, RolloutConfig
@@ -270,6 +270,9 @@ class RolloutEngine:
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         self.name, self.max_model_len, self.version, self.in_flight = name, max_model_len, 0, 0
+        self.partial = rollout.partial_rollout  # a weight update cuts requests, which go on after it
+        self.cuts = 0  # weight updates that cut requests in flight so far
+        self.continued = 0  # samples continued on newer weights after a cut
         self.lora_request = None  # the adapter every request carries (LoRA stages with sync.lora=adapter)
         # requests are admitted while `_admitting` is set; `_idle` is set while none is in flight
         self._admitting, self._idle = asyncio.Event(), asyncio.Event()
@@ -326,23 +329,63 @@ class RolloutEngine:
         return self.loop.run(coroutine, timeout_s)
 
     async def generate(self, prompt_ids: list[int], params) -> list[Completion]:
-        """Sample `params.n` completions of `prompt_ids` (vllm.SamplingParams)."""
-        from vllm.inputs import tokens_input
+        """Sample `params.n` completions of `prompt_ids` (vllm.SamplingParams). With
+        rollout.partial_rollout a weight update may cut them: each cut sample then goes on from
+        its tokens so far on the new weights, and every token keeps the version that sampled it."""
         from vllm.sampling_params import RequestOutputKind
 
         # one final output per request: with n > 1 vLLM otherwise streams one sample per output
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's logprob
+        completions, cut = await self._sample(prompt_ids, params)
+        if not cut:
+            return completions
+        return list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i)
+                                           for i, c in enumerate(completions))))
+
+    async def _sample(self, prompt_ids: list[int], params) -> tuple[list[Completion], bool]:
+        """One request: its completions, and whether a weight update cut it (partial rollout)."""
+        from vllm.inputs import tokens_input
+
         async with self.request_slot():
-            final = None
+            version, cuts, final = self.version, self.cuts, None
             async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex,
                                                lora_request=self.lora_request):
                 final = out
+        # vLLM ends a request it aborted with finish_reason "abort" and the tokens sampled so far
+        cut = self.partial and self.cuts != cuts and any(c.finish_reason == "abort" for c in final.outputs)
         return [Completion(token_ids=list(c.token_ids),
                            logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
                            text=c.text, finish_reason=c.finish_reason or "length",
-                           routed_experts=getattr(c, "routed_experts", None))
-                for c in final.outputs]
+                           routed_experts=getattr(c, "routed_experts", None), versions=[version] * len(c.token_ids))
+                for c in final.outputs], cut
+
+    async def _go_on(self, prompt_ids: list[int], done: Completion, params, sample: int) -> Completion:
+        """A sample a weight update cut, continued on the new weights from where it stopped, as
+        often as updates cut it. Why not vLLM's pause_generation(mode="keep"): the tokens each
+        request had when it was frozen are not reported, and each token's version must be exact;
+        an aborted request reports them. Like "keep" with its cache cleared, the continuation
+        computes the KV of the tokens so far again, on the new weights."""
+        from vllm import SamplingParams
+
+        segment = 0
+        while done.finish_reason == "abort" and len(done.token_ids) < params.max_tokens:
+            segment += 1
+            rest = SamplingParams(**{**{k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "stop",
+                                                                         "stop_token_ids", "ignore_eos",
+                                                                         "output_kind", "logprobs")},
+                                     "n": 1, "max_tokens": params.max_tokens - len(done.token_ids),
+                                     "seed": None if params.seed is None else params.seed + 7919 * segment + sample})
+            more, _ = await self._sample(prompt_ids + done.token_ids, rest)
+            self.continued += 1
+            step = more[0]
+            done = Completion(token_ids=done.token_ids + step.token_ids, logprobs=done.logprobs + step.logprobs,
+                              text=self.tokenizer.decode(done.token_ids + step.token_ids, skip_special_tokens=True),
+                              finish_reason=step.finish_reason, routed_experts=step.routed_experts,
+                              versions=done.versions + step.versions)
+        if done.finish_reason == "abort":  # cut after its last token: nothing left to sample
+            done.finish_reason = "length"
+        return done
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call a `WeightReceiver` method on every vLLM worker of this engine."""
@@ -383,11 +426,13 @@ class RolloutEngine:
         everything is awake."""
         self.run(self.llm.wake_up(tags))
 
-    def load_hf_dir(self, path: str) -> None:
-        """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's)."""
+    def load_hf_dir(self, path: str, version: int | None = None) -> None:
+        """Serve the weights of the HF checkpoint in `path` (same architecture as the engine's),
+        from now on as `version` where given."""
         with self.updating_weights():
             self.collective_rpc("rft_load_hf_dir", (path,))
             self.run(self.llm.reset_prefix_cache())
+            self.version = self.version if version is None else version
 
     @contextlib.asynccontextmanager
     async def request_slot(self):
@@ -409,16 +454,24 @@ class RolloutEngine:
         meanwhile (an agent on the OpenAI endpoint) wait and run on the new weights. Between a
         run's steps nothing is in flight: no cost there. (vLLM 0.32's own pause_generation in
         "wait" mode returned on CPU while a request was still generating, so rft drains its
-        requests itself.)"""
+        requests itself.) With rollout.partial_rollout the requests in flight are cut instead
+        and go on once the new weights are in (`generate`)."""
 
         async def drain() -> None:
             self._admitting.clear()
             await self._idle.wait()
 
+        async def cut() -> None:
+            self._admitting.clear()
+            self.cuts += 1
+            await self.llm.pause_generation(mode="abort", clear_cache=True)
+
         async def admit() -> None:
+            if self.partial:
+                await self.llm.resume_generation()
             self._admitting.set()
 
-        self.run(drain())
+        self.run(cut() if self.partial else drain())
         try:
             yield
         finally:
@@ -484,3 +537,4 @@ class Completion:
     # with routed experts returned: [prompt + sampled tokens run through the model, layers, k],
     # the experts vLLM routed each to (its last sampled token never ran through it)
     routed_experts: np.ndarray | None = None
+    versions: list[int] = field(default_factory=list)  # the weights version that sampled each token

@@ -6,12 +6,18 @@ past buffer.max_staleness (no shard is dropped as stale), and the run learns wit
 test's thresholds. The stop: the trainer saves at its step, the explorer adds its file to that
 checkpoint from wherever it is (ahead), and the launch stops; launched again, the shards the
 explorer wrote after its own position are set aside, and every step's experience is trained exactly
-once."""
+once.
+
+With rollout.partial_rollout as well, the weights reach the engines in the middle of their
+generations: samples cut by an update go on with the new weights, each token labelled with the
+version that sampled it, a sample's version (what its staleness counts from) its oldest token's."""
 
 import json
 import os
 import signal
 from pathlib import Path
+
+import pyarrow.parquet as pq
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.checkpoint import newest_complete
@@ -21,16 +27,18 @@ STEPS, LEAD, SAVE_EVERY = 20, 2, 4
 STAGE = f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, trainer: {{max_steps: {STEPS}}}}}]"
 
 
+def _overrides(run_dir: Path, model: str) -> list[str]:
+    return ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "model.tiny=null",
+            f"model.path={model}", "sync.free_run=true", f"buffer.max_staleness={LEAD}", STAGE]
+
+
 def _rows(run_dir: Path, name: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics" / name).read_text().splitlines()]
 
 
 def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_exactly_once(exported_sft_model, tmp_path):
     run_dir = tmp_path / "run"
-    overrides = ["+experiment=quickstart", "cluster=local", f"run.output_dir={run_dir}", "model.tiny=null",
-                 f"model.path={exported_sft_model}", "sync.free_run=true", f"buffer.max_staleness={LEAD}",
-                 f"trainer.save_interval={SAVE_EVERY}",
-                 STAGE]
+    overrides = [*_overrides(run_dir, exported_sft_model), f"trainer.save_interval={SAVE_EVERY}"]
     launcher = launch_until_step([*overrides, "monitor.progress=false"], run_dir, STEPS // 2)
     for pid_file in (run_dir / "pids").glob("rank*.pid"):  # what Slurm sends every task before the limit
         os.kill(int(pid_file.read_text()), signal.SIGUSR2)
@@ -69,3 +77,28 @@ def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_e
     start, end = evals[0]["accuracy"], evals[-1]["accuracy"]
     assert start >= 0.15 and end >= start + 0.05, (start, end)
     assert evals[-1]["version"] == STEPS  # the end eval ran on the last weights
+
+
+def test_with_partial_rollout_updates_cut_generations_which_go_on_with_each_tokens_version_kept(
+        exported_sft_model, tmp_path):
+    run_dir = tmp_path / "run"
+    result = launch(*_overrides(run_dir, exported_sft_model), "rollout.partial_rollout=true")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    buffer = ExperienceBuffer(str(run_dir / "buffer"))
+    assert buffer.consumed() == [f"step{s:08d}-p001.parquet" for s in range(STEPS)]
+    continued = sum(r.get("rollout/continued_samples", 0) for r in _rows(run_dir, "rollout1.jsonl"))
+    assert continued > 0  # updates came while the engine generated (on 2 cores: in 7 of 20 steps)
+
+    mixed = 0
+    for shard in range(STEPS):
+        table = pq.read_table(run_dir / "buffer" / f"step{shard:08d}-p001.parquet.done")
+        for versions, mask, version in zip(*(table.column(c).to_pylist() for c in ("token_versions", "loss_mask",
+                                                                                     "version"))):
+            sampled = [v for v, m in zip(versions, mask) if m]
+            assert sampled == sorted(sampled) and min(sampled) == version  # oldest first; counted from it
+            assert 0 <= shard - version <= LEAD and max(sampled) <= shard  # within the bound, never ahead
+            mixed += len(set(sampled)) > 1
+    assert mixed > 0
+    evals = _rows(run_dir, "eval.jsonl")
+    start, end = evals[0]["accuracy"], evals[-1]["accuracy"]
+    assert start >= 0.15 and end >= start + 0.05, (start, end)

@@ -11,9 +11,7 @@ from typing import Any, Optional
 class SyncConfig:
     interval: int = 1  # rollout stages: trainer steps between weight syncs (rft/runtime/schedule.py)
     offset: int = 0  # rollout stages: explorer steps ahead of the trainer (0: take turns, 1: one-step-off)
-    # rollout stages: the explorer never meets the trainer's steps; it runs ahead while its shards stay
-    # within buffer.max_staleness and takes weights whenever the trainer offers them (rft/runtime/free_run.py)
-    free_run: bool = False
+    free_run: bool = False  # rollout stages: the explorer never waits at the trainer's steps; it runs ahead within buffer.max_staleness (rft/runtime/free_run.py)
     engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
     bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
     wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype

@@ -17,9 +17,7 @@ class RolloutConfig:
     stop: list[str] = field(default_factory=list)  # extra stop strings
     kv_cache_gb: float = 1.0  # KV cache memory for vLLM (CPU: GiB of RAM)
     gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only; colocated: leave the trainer room)
-    # at a weight update, requests in flight are cut and continue on the new weights (each token
-    # keeps the version that sampled it); false: the update waits for them to finish
-    partial_rollout: bool = False
+    partial_rollout: bool = False  # a weight update cuts requests in flight, which go on with the new weights (each token keeps its version); false: it waits for them
     sleep_level: int = 1  # cluster.colocate: vLLM's sleep while the trainer trains (1: weights to host memory, KV cache dropped; 2: both dropped)
     tensor_parallel_size: int = 1  # vLLM TP per engine
     max_num_seqs: int = 256  # vLLM scheduler batch limit

@@ -30,10 +30,12 @@ from rft.runtime.topology import Topology
 
 @dataclass(frozen=True)
 class Seen:
-    """What every engine agrees the trainer offered and asked for, at one look."""
+    """What every engine agrees the trainer offered and asked for, at one look, and the version
+    they all serve (the oldest any engine serves; None while one serves a restart's weights)."""
 
     offer: Offer | None
     save: SaveRequest | None
+    served: int | None
 
 
 class FreeRunning:
@@ -77,29 +79,33 @@ class FreeRunning:
             while True:
                 seen = self.agree(step)
                 self.answer(seen.save, stage, step)
-                if self.watcher is None:
+                if self.watcher is None:  # else the watcher takes the offers as they come
                     self.take(seen.offer)
-                if self.serves(need):
+                    seen = Seen(seen.offer, seen.save, self.served())  # every engine took the same
+                if seen.served is not None and seen.served >= need:
                     return
-                self.link.wait(lambda seen=seen: self.link.newer_than(seen.offer, seen.save) or self.serves(need),
-                               f"weights version {need}", chore=self.post_stop)
+                self.link.wait(lambda seen=seen: self.link.newer_than(seen.offer, seen.save) or
+                               (self.served() or -1) >= need, f"weights version {need}", chore=self.post_stop)
 
-    def serves(self, need: int) -> bool:
-        """The engines serve the trainer's weights of version `need` or newer."""
+    def served(self) -> int | None:
+        """The version this rank's engines serve (None: a restart's weights, not the trainer's yet)."""
         if self.watcher is not None:
             self.watcher.raise_failure()
-        return self.loaded is not None and self.explorer.version.value >= need
+        return None if self.loaded is None else self.explorer.version.value
 
     def agree(self, step: Step) -> Seen:
-        """The trainer's offer and checkpoint request, the newest any engine saw: all engines take
-        the same weights (a broadcast needs every one) and save at the same step."""
+        """The trainer's offer and checkpoint request, the newest any engine saw, and the version all
+        serve: every engine takes the same weights (a broadcast needs every one), saves at the same
+        step, and goes on to the next step alike."""
         self.post_stop()
         self.looks += 1
-        mine = Seen(self.link.offer(), self.link.save_request())
+        mine = Seen(self.link.offer(), self.link.save_request(), self.served())
         shares = self.explorer.dealer.gather(f"free/{step.global_step}/{self.looks}", mine).values()
         offers = [s.offer for s in shares if s.offer is not None]
         saves = [s.save for s in shares if s.save is not None]
-        return Seen(max(offers, default=None), max(saves, default=None))
+        served = [s.served for s in shares]
+        return Seen(max(offers, default=None), max(saves, default=None),
+                    None if None in served else min(served))
 
     def post_stop(self) -> None:
         if self.runtime.stop.requested:

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import time
@@ -28,15 +29,27 @@ from rft.algorithms.filters import SAMPLE_FILTERS
 from rft.buffer.experience import Experience, to_table
 from rft.buffer.operators import OperatorContext, OperatorPipeline
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig, adapter_sync, needs_rollouts, operator_specs, vllm_lora_rank
+from rft.config import (
+    RFTConfig,
+    adapter_sync,
+    needs_rollouts,
+    operator_specs,
+    vllm_lora_rank,
+)
 from rft.data.context_fit import ContextFit
-from rft.data.judge_difficulty import DifficultyScores, ask_judges, score_tasks, scores_path
+from rft.data.judge_difficulty import (
+    DifficultyScores,
+    ask_judges,
+    score_tasks,
+    scores_path,
+)
 from rft.data.selectors import SELECTORS, build_selector
 from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import Task, row_scalars
 from rft.explorer.dealer import Dealer
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.free_run import FreeRunning
+from rft.explorer.journal import GenerationJournal, prune_journals, remove_journals
 from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
@@ -86,6 +99,7 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
         explorer.endpoint.close()
     for engine in engines:
         engine.close()
+    remove_journals(cfg.run.output_dir, topology.rank)  # no step is left to take again
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
 
 
@@ -158,6 +172,10 @@ class Explorer:
         self.endpoint = serve_endpoint(cfg, engines[0], self.dealer, self.engine) if cfg.rollout.openai_api else None
         self.sleep = EngineSleep(cfg, topology, engines, runtime) if cfg.cluster.colocate else None
         self.continued = 0  # samples continued after a weight update cut them, all steps (partial rollout)
+        self.replayed = 0  # samples taken from an earlier attempt's generation journal, all steps
+        # a checkpoint covers the steps up to this rank's position: their journals go
+        runtime.save_hooks.append(lambda done: prune_journals(cfg.run.output_dir, topology.rank,
+                                                              runtime.progress.global_step))
 
     def resend_quarantined(self) -> None:
         """Write again the shards of ours the trainer quarantined for a bad checksum."""
@@ -247,8 +265,9 @@ class Explorer:
 
         sample_filter = filter_rows(SAMPLE_FILTERS.resolve(algo.sample_filter))
         self.operators.ctx.step = step.global_step
-        experiences, filter_stats = run_filtered(generate, lambda rows: self.operators(sample_filter(rows)),
-                                                 rollout.tasks_per_step, rollout.max_sampling_rounds, kept_by_all)
+        with self.journaled(step.global_step):  # a restarted attempt takes again what this one sampled
+            experiences, filter_stats = run_filtered(generate, lambda rows: self.operators(sample_filter(rows)),
+                                                     rollout.tasks_per_step, rollout.max_sampling_rounds, kept_by_all)
         sessions = self._sessions()  # rollout.openai_api: what agents outside the run finished
         experiences += sessions
         generated = time.time()
@@ -267,13 +286,34 @@ class Explorer:
                 **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {}),
                 **self._continued_scalars(rollout.partial_rollout)}
 
+    @contextlib.contextmanager
+    def journaled(self, step: int):
+        """The engines record the step's requests in its generation journal, and take back what an
+        earlier attempt recorded there (rft/explorer/journal.py). Not with routing replay: the
+        journal keeps no routes."""
+        if self.cfg.trainer.routing_replay == "rollout":
+            yield
+            return
+        journal = GenerationJournal(self.cfg.run.output_dir, self.topology.rank, step)
+        for engine in self.engines:
+            engine.journal = journal
+        try:
+            yield
+        finally:
+            for engine in self.engines:
+                engine.journal = None
+            journal.close()
+
     def _continued_scalars(self, partial: bool) -> dict[str, float]:
-        """rollout.partial_rollout: samples a weight update cut that went on with newer weights, this step."""
-        if not partial:
-            return {}
+        """Samples taken from an earlier attempt's journal this step, and (rollout.partial_rollout)
+        samples a weight update cut that went on with newer weights."""
+        replayed = sum(engine.replayed for engine in self.engines)
         continued = sum(engine.continued for engine in self.engines)
-        count, self.continued = continued - self.continued, continued
-        return {"rollout/continued_samples": float(count)}
+        counts = {"rollout/replayed_samples": replayed - self.replayed}
+        if partial:
+            counts["rollout/continued_samples"] = continued - self.continued
+        self.replayed, self.continued = replayed, continued
+        return {key: float(value) for key, value in counts.items() if value or key.endswith("continued_samples")}
 
     def _observe(self, experiences: list[Experience], batch: str) -> None:
         """Tell the selector each trajectory's reward (before any operator reshapes it); with

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -273,6 +274,9 @@ class RolloutEngine:
         self.partial = rollout.partial_rollout  # a weight update cuts requests, which go on after it
         self.cuts = 0  # weight updates that cut requests in flight so far
         self.continued = 0  # samples continued on newer weights after a cut
+        # the step's generation journal (rft/explorer/journal.py), set while a step's rollouts run
+        self.journal = None
+        self.replayed = 0  # samples taken from the journal an earlier attempt left, not generated
         self.lora_request = None  # the adapter every request carries (LoRA stages with sync.lora=adapter)
         # requests are admitted while `_admitting` is set; `_idle` is set while none is in flight
         self._admitting, self._idle = asyncio.Event(), asyncio.Event()
@@ -337,11 +341,17 @@ class RolloutEngine:
         # one final output per request: with n > 1 vLLM otherwise streams one sample per output
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's logprob
+        journal = self.journal if params.seed is not None else None  # an unseeded request is a fresh draw each time
+        if journal is not None and (recorded := journal.replay(prompt_ids, params)) is not None:
+            self.replayed += len(recorded)
+            return [dataclasses.replace(c) for c in recorded]
         completions, cut = await self._sample(prompt_ids, params)
-        if not cut:
-            return completions
-        return list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i)
-                                           for i, c in enumerate(completions))))
+        if cut:
+            completions = list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i)
+                                                      for i, c in enumerate(completions))))
+        if journal is not None:
+            journal.record(prompt_ids, params, completions)
+        return completions
 
     async def _sample(self, prompt_ids: list[int], params) -> tuple[list[Completion], bool]:
         """One request: its completions, and whether a weight update cut it (partial rollout)."""

@@ -1,12 +1,14 @@
 """sync.free_run=true on the quickstart: GRPO from the SFT warm-up with the explorer running free of
-the trainer's steps, stopped half way by the time-limit signal and launched again to its end.
+the trainer's steps, stopped a third of the way by the time-limit signal, launched again, killed
+like a node failure at two thirds, and launched again to its end.
 
 The explorer runs ahead (shards trained a step or two after the weights that generated them), never
 past buffer.max_staleness (no shard is dropped as stale), and the run learns with the quickstart
 test's thresholds. The stop: the trainer saves at its step, the explorer adds its file to that
-checkpoint from wherever it is (ahead), and the launch stops; launched again, the shards the
-explorer wrote after its own position are set aside, and every step's experience is trained exactly
-once.
+checkpoint from wherever it is (ahead), and the launch stops. The kill: the shards the explorer
+wrote after its own checkpoint are set aside, and the resumed explorer takes what it had sampled
+for them back from its generation journal instead of sampling again. Every step's experience is
+trained exactly once.
 
 With rollout.partial_rollout as well, the weights reach the engines in the middle of their
 generations: samples cut by an update go on with the new weights, each token labelled with the
@@ -15,13 +17,21 @@ version that sampled it, a sample's version (what its staleness counts from) its
 import json
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.checkpoint import newest_complete
-from tests.e2e.helpers import launch, launch_until_step
+from tests.e2e.helpers import (
+    REPO,
+    kill_like_a_node_failure,
+    launch,
+    launch_until_step,
+    wait_for_step,
+)
 
 STEPS, LEAD, SAVE_EVERY = 20, 2, 4
 STAGE = f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, trainer: {{max_steps: {STEPS}}}}}]"
@@ -39,21 +49,45 @@ def _rows(run_dir: Path, name: str) -> list[dict]:
 def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_exactly_once(exported_sft_model, tmp_path):
     run_dir = tmp_path / "run"
     overrides = [*_overrides(run_dir, exported_sft_model), f"trainer.save_interval={SAVE_EVERY}"]
-    launcher = launch_until_step([*overrides, "monitor.progress=false"], run_dir, STEPS // 2)
+    launcher = launch_until_step([*overrides, "monitor.progress=false"], run_dir, STEPS // 3)
     for pid_file in (run_dir / "pids").glob("rank*.pid"):  # what Slurm sends every task before the limit
         os.kill(int(pid_file.read_text()), signal.SIGUSR2)
     out, err = launcher.communicate(timeout=300)
     assert launcher.returncode != 0 and "launch again with run.output_dir=" in out + err, out[-3000:] + err[-3000:]
     stopped_at = max(int(p.name[4:]) for p in (run_dir / "checkpoints").glob("step*"))
-    assert STEPS // 2 <= stopped_at < STEPS
+    assert STEPS // 3 <= stopped_at < STEPS
     saved = newest_complete(str(run_dir), [0, 1])
     explorer_at = saved.load(1)["progress"]["global_step"]  # the explorer's file: where it was, ahead
     assert saved.done == stopped_at and stopped_at <= explorer_at <= stopped_at + LEAD + 1, (stopped_at, explorer_at)
+
+    # launched again, then killed like a node failure: the explorer generated past its checkpoint
+    second = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"], cwd=REPO,
+                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for_step(second, run_dir, 2 * STEPS // 3)
+    finally:
+        kill_like_a_node_failure(second, run_dir)
+    saved = newest_complete(str(run_dir), [0, 1])
+    explorer_at = saved.load(1)["progress"]["global_step"]
+    generated = {n.split(".")[0] for n in os.listdir(run_dir / "buffer") if n.startswith("step")
+                 and int(n[4:12]) >= explorer_at}  # written after the explorer's checkpoint: set aside on resume
+    assert generated, "the kill came before the explorer wrote past its checkpoint"
+    lost_attempt = {name: pq.read_table(next((run_dir / "buffer").glob(f"{name}*"))) for name in generated}
 
     result = launch(*overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
     assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
+    assert f"checkpoints/step{saved.done:08d} ({saved.done} steps done)" in logs
+    # what the killed attempt sampled after the checkpoint was taken back from its generation journal,
+    # not drawn again (drawn again, it would come from the newer weights the resumed run holds)
+    for name, table in lost_attempt.items():
+        again = pq.read_table(run_dir / "buffer" / f"{name}.parquet.done")
+        for column in ("token_ids", "logprobs", "token_versions", "version"):
+            assert again.column(column).to_pylist() == table.column(column).to_pylist(), (name, column)
+    replayed = [r["rollout/replayed_samples"] for r in _rows(run_dir, "rollout1.jsonl") if "rollout/replayed_samples" in r]
+    assert sum(replayed) >= len(generated) * 256, replayed  # every sample of those steps (16 tasks x 16)
+    assert not (run_dir / "inflight" / "rank1").exists()  # a finished run leaves no journal
 
     # every step's experience trained once, none left, each step logged once by the trainer
     buffer = ExperienceBuffer(str(run_dir / "buffer"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import threading
 import time
 
 import torch
@@ -122,6 +123,32 @@ def run_lockstep(explorer: Explorer, stage: Stage) -> None:
             explorer.evaluate(stage, "interval", step.global_step)
 
 
+class InFlightKeeper:
+    """While a free-running step explores: once Slurm's stop signal comes, every engine records
+    the requests it has in flight in the step's journal and goes on with them (RolloutEngine.
+    keep_in_flight). The step still ends and the run stops at its boundary as usual; if Slurm
+    kills the job before that, the restarted explorer goes on from those tokens. Not when
+    synchronous: a cut draws the rest of a sample anew, and synchronous runs resume bit for bit."""
+
+    def __init__(self, engines: list[RolloutEngine], stop: StopFlag, kept: threading.Event):
+        self.engines, self.flag, self.kept = engines, stop, kept  # kept: once per run, not again each step
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._watch, name="rft-in-flight-keeper", daemon=True)
+        self.thread.start()
+
+    def _watch(self) -> None:
+        while not self.done.wait(0.05):
+            if self.flag.requested and not self.kept.is_set():
+                self.kept.set()
+                for engine in self.engines:
+                    engine.keep_in_flight()
+                return
+
+    def stop(self) -> None:
+        self.done.set()
+        self.thread.join()
+
+
 def prune_adapters(root: str, keep: str) -> None:
     """Adapters of older versions than the one served (<run>/adapters/engine<k>/v<version>)."""
     for name in os.listdir(root):
@@ -173,6 +200,8 @@ class Explorer:
         self.sleep = EngineSleep(cfg, topology, engines, runtime) if cfg.cluster.colocate else None
         self.continued = 0  # samples continued after a weight update cut them, all steps (partial rollout)
         self.replayed = 0  # samples taken from an earlier attempt's generation journal, all steps
+        self.resumed = 0  # samples gone on from the tokens an earlier attempt had when stopped, all steps
+        self.kept = threading.Event()  # Slurm's stop signal came: the requests in flight were recorded
         # a checkpoint covers the steps up to this rank's position: their journals go
         runtime.save_hooks.append(lambda done: prune_journals(cfg.run.output_dir, topology.rank,
                                                               runtime.progress.global_step))
@@ -289,30 +318,42 @@ class Explorer:
     @contextlib.contextmanager
     def journaled(self, step: int):
         """The engines record the step's requests in its generation journal, and take back what an
-        earlier attempt recorded there (rft/explorer/journal.py). Not with routing replay: the
-        journal keeps no routes."""
+        earlier attempt recorded there (rft/explorer/journal.py). Free-running, Slurm's stop signal
+        also records the requests in flight (InFlightKeeper). Not with routing replay: the journal
+        keeps no routes."""
         if self.cfg.trainer.routing_replay == "rollout":
             yield
             return
-        journal = GenerationJournal(self.cfg.run.output_dir, self.topology.rank, step)
+        run_dir, rank = self.cfg.run.output_dir, self.topology.rank
+
+        def strike(event: str) -> None:  # the faults tests inject (rft/runtime/faults.py)
+            point = {"request": "generating", "kept": "in_flight"}.get(event)
+            if point is not None:
+                faults.strike(point, step, rank, run_dir)
+
+        journal = GenerationJournal(run_dir, rank, step, listener=strike)
         for engine in self.engines:
             engine.journal = journal
+        keeper = InFlightKeeper(self.engines, self.runtime.stop, self.kept) if self.cfg.sync.free_run else None
         try:
             yield
         finally:
+            if keeper is not None:
+                keeper.stop()
             for engine in self.engines:
                 engine.journal = None
             journal.close()
 
     def _continued_scalars(self, partial: bool) -> dict[str, float]:
-        """Samples taken from an earlier attempt's journal this step, and (rollout.partial_rollout)
-        samples a weight update cut that went on with newer weights."""
-        replayed = sum(engine.replayed for engine in self.engines)
-        continued = sum(engine.continued for engine in self.engines)
-        counts = {"rollout/replayed_samples": replayed - self.replayed}
+        """Samples taken from an earlier attempt's journal this step (finished there, or gone on
+        from the tokens it had when stopped), and (rollout.partial_rollout) samples a weight update
+        cut that went on with newer weights."""
+        replayed, resumed, continued = (sum(getattr(engine, name) for engine in self.engines)
+                                        for name in ("replayed", "resumed", "continued"))
+        counts = {"rollout/replayed_samples": replayed - self.replayed, "rollout/resumed_samples": resumed - self.resumed}
         if partial:
             counts["rollout/continued_samples"] = continued - self.continued
-        self.replayed, self.continued = replayed, continued
+        self.replayed, self.resumed, self.continued = replayed, resumed, continued
         return {key: float(value) for key, value in counts.items() if value or key.endswith("continued_samples")}
 
     def _observe(self, experiences: list[Experience], batch: str) -> None:

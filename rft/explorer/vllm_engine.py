@@ -277,6 +277,7 @@ class RolloutEngine:
         # the step's generation journal (rft/explorer/journal.py), set while a step's rollouts run
         self.journal = None
         self.replayed = 0  # samples taken from the journal an earlier attempt left, not generated
+        self.resumed = 0  # samples an earlier attempt was stopped in the middle of, gone on from its tokens
         self.lora_request = None  # the adapter every request carries (LoRA stages with sync.lora=adapter)
         # requests are admitted while `_admitting` is set; `_idle` is set while none is in flight
         self._admitting, self._idle = asyncio.Event(), asyncio.Event()
@@ -335,18 +336,27 @@ class RolloutEngine:
     async def generate(self, prompt_ids: list[int], params) -> list[Completion]:
         """Sample `params.n` completions of `prompt_ids` (vllm.SamplingParams). With
         rollout.partial_rollout a weight update may cut them: each cut sample then goes on from
-        its tokens so far on the new weights, and every token keeps the version that sampled it."""
+        its tokens so far on the new weights, and every token keeps the version that sampled it.
+        With a step's journal (rft/explorer/journal.py) what an earlier attempt finished is taken
+        back, and what it had when it was stopped is gone on from."""
         from vllm.sampling_params import RequestOutputKind
 
         # one final output per request: with n > 1 vLLM otherwise streams one sample per output
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's logprob
         journal = self.journal if params.seed is not None else None  # an unseeded request is a fresh draw each time
-        if journal is not None and (recorded := journal.replay(prompt_ids, params)) is not None:
-            self.replayed += len(recorded)
+        recorded = journal.replay(prompt_ids, params) if journal is not None else None
+        if recorded is not None and not any(c.finish_reason == "abort" for c in recorded):
+            self.replayed += len(recorded)  # an earlier attempt finished it
             return [dataclasses.replace(c) for c in recorded]
-        completions, cut = await self._sample(prompt_ids, params)
+        if recorded is not None:  # an earlier attempt was stopped in its middle: go on from its tokens
+            self.resumed += sum(c.finish_reason == "abort" for c in recorded)
+            completions, cut = [dataclasses.replace(c) for c in recorded], True
+        else:
+            completions, cut = await self._sample(prompt_ids, params)
         if cut:
+            if journal is not None:  # the tokens so far survive a kill while the rest is sampled
+                journal.record(prompt_ids, params, completions)
             completions = list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i)
                                                       for i, c in enumerate(completions))))
         if journal is not None:
@@ -354,7 +364,8 @@ class RolloutEngine:
         return completions
 
     async def _sample(self, prompt_ids: list[int], params) -> tuple[list[Completion], bool]:
-        """One request: its completions, and whether a weight update cut it (partial rollout)."""
+        """One request: its completions, and whether rft cut it (a weight update with partial
+        rollout, or `keep_in_flight`)."""
         from vllm.inputs import tokens_input
 
         async with self.request_slot():
@@ -363,7 +374,7 @@ class RolloutEngine:
                                                lora_request=self.lora_request):
                 final = out
         # vLLM ends a request it aborted with finish_reason "abort" and the tokens sampled so far
-        cut = self.partial and self.cuts != cuts and any(c.finish_reason == "abort" for c in final.outputs)
+        cut = self.cuts != cuts and any(c.finish_reason == "abort" for c in final.outputs)
         return [Completion(token_ids=list(c.token_ids),
                            logprobs=[float(step[tok].logprob) for step, tok in zip(c.logprobs, c.token_ids)],
                            text=c.text, finish_reason=c.finish_reason or "length",
@@ -371,8 +382,8 @@ class RolloutEngine:
                 for c in final.outputs], cut
 
     async def _go_on(self, prompt_ids: list[int], done: Completion, params, sample: int) -> Completion:
-        """A sample a weight update cut, continued on the new weights from where it stopped, as
-        often as updates cut it. Why not vLLM's pause_generation(mode="keep"): the tokens each
+        """A sample rft cut (a weight update, `keep_in_flight`, a stopped earlier attempt), continued
+        on the weights served now from where it stopped, as often as it is cut. Why not vLLM's pause_generation(mode="keep"): the tokens each
         request had when it was frozen are not reported, and each token's version must be exact;
         an aborted request reports them. Like "keep" with its cache cleared, the continuation
         computes the KV of the tokens so far again, on the new weights."""
@@ -396,6 +407,18 @@ class RolloutEngine:
         if done.finish_reason == "abort":  # cut after its last token: nothing left to sample
             done.finish_reason = "length"
         return done
+
+    def keep_in_flight(self) -> None:
+        """Cut every request in flight and let it go on at once on the same weights: each records
+        the tokens it had in the step's journal first, so a kill from now on (Slurm's, after its
+        time-limit signal) loses none of them; a restarted explorer goes on from them."""
+
+        async def cut_and_go_on() -> None:
+            self.cuts += 1
+            await self.llm.pause_generation(mode="abort", clear_cache=False)  # the same weights: keep the KV
+            await self.llm.resume_generation()
+
+        self.run(cut_and_go_on())
 
     def collective_rpc(self, method: str, args: tuple = ()) -> list:
         """Call a `WeightReceiver` method on every vLLM worker of this engine."""
@@ -473,7 +496,7 @@ class RolloutEngine:
 
         async def cut() -> None:
             self._admitting.clear()
-            self.cuts += 1
+            self.cuts += 1  # the requests cut go on once the new weights are in (`generate`)
             await self.llm.pause_generation(mode="abort", clear_cache=True)
 
         async def admit() -> None:

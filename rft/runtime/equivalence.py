@@ -17,7 +17,8 @@ from rft.runtime.state import SHARDED
 # what depends on the clock, and on restarts: a restarted explorer starts in step (policy/version_lag),
 # is sent the weights an uninterrupted one already held (sync/: unchanged weights travel there,
 # rft/trainer/trainer.py) and takes back what the lost attempt sampled (rollout/replayed_samples)
-CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag", "sync/", "rollout/replayed_samples")
+CLOCK_KEYS = ("time", "timing/", "perf/", "policy/version_lag", "sync/", "rollout/replayed_samples",
+              "rollout/resumed_samples")
 # the final checkpoint's state that must match: a trainer's and an explorer's (rft/runtime/state.py)
 TRAINER_STATE = ("model", "optimizer", "scheduler", "rng", "publisher")
 EXPLORER_STATE = ("version", "cursor")

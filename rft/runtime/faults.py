@@ -8,12 +8,18 @@ environment names what to break, at which step, and optionally on which rank (`#
     RFT_FAULTS=kill_train@37#1       rank 1 is SIGKILLed in the middle of trainer step 37
     RFT_FAULTS=stop_sync@41#0        rank 0 stops (SIGSTOP: a hang) in the middle of step 41's sync
     RFT_FAULTS=corrupt_shard@35,kill_save@40#2
+    RFT_FAULTS=usr2_generating@14#1,kill_in_flight@14#1
+                                     rank 1 gets Slurm's stop signal while it generates step 14, and
+                                     is SIGKILLed once it recorded its requests in flight
 
-kill_* and stop_* act at a point of a step (`step` as checkpoints and logs count it: steps done
-once it ends): `generation` (an explorer, its rollouts generated, not yet written), `train` (a
-trainer, its update made, its shard not yet committed), `sync` (a trainer, one weight sent or
-gathered of the step's sync; where the step changed no weight and nothing is sent, at its sync
-point) and `save` (any rank, its checkpoint file written, not yet renamed).
+kill_*, stop_* and usr2_* (the time-limit signal, SIGUSR2) act at a point of a step (`step` as
+checkpoints and logs count it: steps done once it ends): `generation` (an explorer, its rollouts
+generated, not yet written), `generating` (an explorer, its step's first request about to be
+sent to the engine), `in_flight` (an explorer, its requests in flight recorded in the step's
+generation journal after a stop signal, rft/explorer/journal.py), `train` (a trainer, its update
+made, its shard not yet committed), `sync` (a trainer, one weight sent or gathered of the step's
+sync; where the step changed no weight and nothing is sent, at its sync point) and `save` (any
+rank, its checkpoint file written, not yet renamed).
 Before acting, the rank appends what it does to `<run>/faults.jsonl` (tools/chaos.py times the
 launcher's reaction from it). A fault fires at most once per process. Why not a mock: the run
 under test is the real one, with real processes, signals and files.
@@ -26,10 +32,11 @@ import os
 import signal
 import time
 
-POINTS = ("generation", "train", "sync", "save")
+POINTS = ("generation", "generating", "in_flight", "train", "sync", "save")
+ACTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "usr2": signal.SIGUSR2}
 KINDS = ("corrupt_shard",  # rft/buffer/shards.py: ExperienceBuffer.write
          "file_size_limit",  # rft/runtime/checkpoint.py: save_rank_state
-         *(f"{act}_{point}" for act in ("kill", "stop") for point in POINTS))  # strike()
+         *(f"{act}_{point}" for act in ACTS for point in POINTS))  # strike()
 _fired: set[tuple[str, int]] = set()
 
 
@@ -57,8 +64,8 @@ def armed(kind: str, step: int, rank: int | None = None) -> bool:
 
 
 def strike(point: str, step: int, rank: int, run_dir: str) -> None:
-    """At `point` of `step`: if a kill or a stop is armed here, record it and do it to this process."""
-    for act, signum in (("kill", signal.SIGKILL), ("stop", signal.SIGSTOP)):
+    """At `point` of `step`: if a kill, a stop or a signal is armed here, record it and do it to this process."""
+    for act, signum in ACTS.items():
         if armed(f"{act}_{point}", step, rank):
             with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
                 f.write(json.dumps({"fault": f"{act}_{point}", "step": step, "rank": rank, "pid": os.getpid(),

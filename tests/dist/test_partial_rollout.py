@@ -3,15 +3,17 @@ generated. Cut, each sample goes on from its tokens so far on the new weights to
 every token keeps the version that sampled it, and its logprob is the one the weights of that
 version give it in that context (checked against vLLM's prompt logprobs of the whole sequence
 under each version's weights). Against it, the same update without partial rollout waits for the
-samples to finish: every token is the old version's."""
+samples to finish: every token is the old version's. And what a stop signal keeps of the requests
+in flight, a restarted attempt goes on from."""
 
 import asyncio
+import json
 import threading
 import time
 
 import pytest
 
-TOKENS, SAMPLES = 48, 12
+TOKENS, SAMPLES = 96, 12
 
 
 def _generate_while_updating(engine, update, delay_s: float | None = None) -> list:
@@ -39,11 +41,13 @@ def _generate_while_updating(engine, update, delay_s: float | None = None) -> li
     return samples
 
 
-def _half_way_s(engine) -> float:
-    """Half the time the samples take on this machine now: an update then comes in their middle."""
+def _a_third_in_s(engine) -> float:
+    """A third of the time the samples take on this machine now: an update then comes in their
+    middle, even if the machine gets slower meanwhile."""
+    _generate_while_updating(engine, None)  # the first generation after a load is slower
     start = time.monotonic()
     _generate_while_updating(engine, None)
-    return (time.monotonic() - start) / 2
+    return (time.monotonic() - start) / 3
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +69,7 @@ def test_samples_cut_by_an_update_go_on_with_the_new_weights_each_token_labelled
         engine_and_models):
     engine, old, new = engine_and_models
     engine.load_hf_dir(old, version=0)
-    samples = _generate_while_updating(engine, lambda: engine.load_hf_dir(new, version=1), _half_way_s(engine))
+    samples = _generate_while_updating(engine, lambda: engine.load_hf_dir(new, version=1), _a_third_in_s(engine))
     prompts = [list(range(3, 9 + i)) for i in range(SAMPLES)]
     assert all(len(s.token_ids) == len(s.logprobs) == len(s.versions) == TOKENS for s in samples)
     assert all(s.versions == sorted(s.versions) and set(s.versions) <= {0, 1} for s in samples)
@@ -88,8 +92,45 @@ def test_without_partial_rollout_the_update_waits_for_the_samples_to_finish(engi
     engine.load_hf_dir(old, version=0)
     engine.partial = False
     try:
-        samples = _generate_while_updating(engine, lambda: engine.load_hf_dir(new, version=1), _half_way_s(engine))
+        samples = _generate_while_updating(engine, lambda: engine.load_hf_dir(new, version=1), _a_third_in_s(engine))
     finally:
         engine.partial = True
     assert all(s.versions == [0] * TOKENS for s in samples)
     assert engine.version == 1
+
+
+def test_requests_kept_in_flight_at_a_stop_are_gone_on_from_by_a_restarted_attempt(engine_and_models, tmp_path):
+    """Slurm's stop signal while a free-running step generates (RolloutEngine.keep_in_flight): each
+    request records the tokens it has in the step's journal and goes on. A restarted attempt that
+    finds only those records (the job was killed right after) goes on from the tokens they hold."""
+    from rft.explorer.journal import GenerationJournal
+
+    engine, old, _ = engine_and_models
+    engine.load_hf_dir(old, version=0)
+    a_third_in = _a_third_in_s(engine)
+    engine.journal = journal = GenerationJournal(str(tmp_path), rank=1, step=7)
+    try:
+        _generate_while_updating(engine, engine.keep_in_flight, a_third_in)
+    finally:
+        engine.journal = None
+        journal.close()
+    lines = [json.loads(line) for line in open(journal.path)]
+    kept = [line for line in lines if line["completions"][0]["finish_reason"] == "abort"]
+    assert len(kept) >= SAMPLES // 2 and all(0 < len(line["completions"][0]["token_ids"]) < TOKENS for line in kept)
+    with open(journal.path, "w") as f:  # killed right after recording them: the finished records never came
+        f.writelines(json.dumps(line) + "\n" for line in kept)
+
+    engine.version = 3  # the restarted attempt serves newer weights' version
+    resumed_before = engine.resumed
+    engine.journal = GenerationJournal(str(tmp_path), rank=1, step=7)
+    try:
+        samples = _generate_while_updating(engine, None)
+    finally:
+        engine.journal.close()
+        engine.journal = None
+    assert engine.resumed - resumed_before == len(kept)
+    prefixes = [line["completions"][0]["token_ids"] for line in kept]
+    gone_on = [s for s in samples if any(s.token_ids[: len(p)] == p for p in prefixes)]
+    assert len(gone_on) == len(kept)
+    for sample in gone_on:
+        assert len(sample.token_ids) == TOKENS and sample.versions[0] == 0 and sample.versions[-1] == 3

@@ -1,14 +1,15 @@
 """sync.free_run=true on the quickstart: GRPO from the SFT warm-up with the explorer running free of
-the trainer's steps, stopped a third of the way by the time-limit signal, launched again, killed
-like a node failure at two thirds, and launched again to its end.
+the trainer's steps, stopped a third of the way by the time-limit signal, launched again, stopped
+and killed in the middle of a step at two thirds, and launched again to its end.
 
 The explorer runs ahead (shards trained a step or two after the weights that generated them), never
 past buffer.max_staleness (no shard is dropped as stale), and the run learns with the quickstart
 test's thresholds. The stop: the trainer saves at its step, the explorer adds its file to that
 checkpoint from wherever it is (ahead), and the launch stops. The kill: the shards the explorer
 wrote after its own checkpoint are set aside, and the resumed explorer takes what it had sampled
-for them back from its generation journal instead of sampling again. Every step's experience is
-trained exactly once.
+for them back from its generation journal instead of sampling again; in the step the kill cut,
+what had finished is taken back, and what the stop signal found in flight goes on from the tokens
+it had. Every step's experience is trained exactly once.
 
 With rollout.partial_rollout as well, the weights reach the engines in the middle of their
 generations: samples cut by an update go on with the new weights, each token labelled with the
@@ -17,21 +18,13 @@ version that sampled it, a sample's version (what its staleness counts from) its
 import json
 import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
 from rft.buffer.shards import ExperienceBuffer
 from rft.runtime.checkpoint import newest_complete
-from tests.e2e.helpers import (
-    REPO,
-    kill_like_a_node_failure,
-    launch,
-    launch_until_step,
-    wait_for_step,
-)
+from tests.e2e.helpers import launch, launch_until_step
 
 STEPS, LEAD, SAVE_EVERY = 20, 2, 4
 STAGE = f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, trainer: {{max_steps: {STEPS}}}}}]"
@@ -60,18 +53,20 @@ def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_e
     explorer_at = saved.load(1)["progress"]["global_step"]  # the explorer's file: where it was, ahead
     assert saved.done == stopped_at and stopped_at <= explorer_at <= stopped_at + LEAD + 1, (stopped_at, explorer_at)
 
-    # launched again, then killed like a node failure: the explorer generated past its checkpoint
-    second = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"], cwd=REPO,
-                              start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        wait_for_step(second, run_dir, 2 * STEPS // 3)
-    finally:
-        kill_like_a_node_failure(second, run_dir)
+    # launched again, the stop signal reaches the explorer in the middle of step CUT, and Slurm's
+    # kill follows once it recorded its requests in flight (rft/runtime/faults.py acts both out)
+    cut = 2 * STEPS // 3
+    faults = {**os.environ, "RFT_FAULTS": f"usr2_generating@{cut}#1,kill_in_flight@{cut}#1"}
+    killed = launch(*overrides, env=faults)
+    assert killed.returncode != 0 and "rollout rank 1 was killed by SIGKILL" in killed.stdout + killed.stderr
     saved = newest_complete(str(run_dir), [0, 1])
     explorer_at = saved.load(1)["progress"]["global_step"]
+    journal = [json.loads(line) for line in (run_dir / "inflight" / "rank1" / f"step{cut:08d}.jsonl").open()]
+    kept = [c for line in journal for c in line["completions"] if c["finish_reason"] == "abort"]
+    finished = sum(len(line["completions"]) for line in journal if line["completions"][0]["finish_reason"] != "abort")
+    assert kept, "the stop came after the step's requests finished"
     generated = {n.split(".")[0] for n in os.listdir(run_dir / "buffer") if n.startswith("step")
                  and int(n[4:12]) >= explorer_at}  # written after the explorer's checkpoint: set aside on resume
-    assert generated, "the kill came before the explorer wrote past its checkpoint"
     lost_attempt = {name: pq.read_table(next((run_dir / "buffer").glob(f"{name}*"))) for name in generated}
 
     result = launch(*overrides)
@@ -79,14 +74,23 @@ def test_a_free_running_grpo_run_stays_within_its_staleness_learns_and_resumes_e
     logs = "".join(p.read_text() for p in (run_dir / "logs").glob("*_log.out"))
     assert f"checkpoints/step{stopped_at:08d} ({stopped_at} steps done)" in logs
     assert f"checkpoints/step{saved.done:08d} ({saved.done} steps done)" in logs
-    # what the killed attempt sampled after the checkpoint was taken back from its generation journal,
-    # not drawn again (drawn again, it would come from the newer weights the resumed run holds)
+    # what the killed attempt finished after the explorer's checkpoint is taken back from its generation
+    # journal, not drawn again (drawn again, it would come from the newer weights the resumed run holds)
     for name, table in lost_attempt.items():
         again = pq.read_table(run_dir / "buffer" / f"{name}.parquet.done")
         for column in ("token_ids", "logprobs", "token_versions", "version"):
             assert again.column(column).to_pylist() == table.column(column).to_pylist(), (name, column)
-    replayed = [r["rollout/replayed_samples"] for r in _rows(run_dir, "rollout1.jsonl") if "rollout/replayed_samples" in r]
-    assert sum(replayed) >= len(generated) * 256, replayed  # every sample of those steps (16 tasks x 16)
+    rollout = {r["step"]: r for r in _rows(run_dir, "rollout1.jsonl")}
+    assert rollout[cut].get("rollout/replayed_samples", 0) >= finished
+    assert rollout[cut]["rollout/resumed_samples"] == len(kept)
+    # and each sample the stop caught in flight went on from the tokens it had, labelled with their version
+    table = pq.read_table(run_dir / "buffer" / f"step{cut - 1:08d}-p001.parquet.done")
+    rows = list(zip(*(table.column(c).to_pylist() for c in ("token_ids", "prompt_length", "token_versions"))))
+    for sample in kept:
+        k = len(sample["token_ids"])
+        match = [(ids, start, versions) for ids, start, versions in rows if ids[start:start + k] == sample["token_ids"]]
+        assert match, sample["token_ids"]
+        assert any(versions[start:start + k] == sample["versions"] for _, start, versions in match)
     assert not (run_dir / "inflight" / "rank1").exists()  # a finished run leaves no journal
 
     # every step's experience trained once, none left, each step logged once by the trainer

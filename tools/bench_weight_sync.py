@@ -99,6 +99,18 @@ def _wait_file(path: str, timeout_s: float) -> None:
         time.sleep(0.001)
 
 
+def _wait_for_trainers(trainers: list, scratch: str, timeout_s: float) -> None:
+    """Until every trainer rank built its model, or one died: a model the trainer refuses must
+    stop the tool at once, not after the weight group's timeout (the engines, up first, would wait
+    there for a sender that never comes)."""
+    deadline = time.time() + timeout_s
+    while not os.path.exists(os.path.join(scratch, "trainers_up")):
+        _check_trainers(trainers)
+        if time.time() > deadline:
+            raise TimeoutError(f"the trainer ranks did not build their model within {timeout_s}s")
+        time.sleep(0.05)
+
+
 def _check_trainers(trainers: list) -> None:
     """Stop now if a trainer rank died (it printed why: a model the trainer refuses, say), instead
     of waiting out the weight group's timeout for a sender that will never come."""
@@ -139,6 +151,9 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
         torch.save({"logprobs": logprobs[0].float().cpu(), "mask": mb.loss_mask.cpu()},
                    os.path.join(scratch, "trainer_logprobs.pt"))
     publisher = WeightPublisher(cfg, rank_info(cfg, rank, port + 10), geo)
+    dist.barrier()
+    if rank == 0:  # every trainer rank built its model: the engines may join the weight group
+        open(os.path.join(scratch, "trainers_up"), "w").close()
     total = torch.zeros(1, dtype=torch.float64, device=device)  # payload bytes of one sync, all senders
     for k in range(repeats):
         if rank == 0:
@@ -221,7 +236,7 @@ def main() -> None:
                                            gpu_memory_utilization=0.3 / args.engines),
                              seed=0, max_model_len=64, name=f"engine {e}") for e in range(args.engines)]
     before = vllm_logprobs(engines[0])
-    _check_trainers(trainers)
+    _wait_for_trainers(trainers, scratch, args.timeout_s)
     layout = sync_layout(cfg, rank_info(cfg, world, port + 10), torch.cuda.is_available())
     for e, engine in enumerate(engines):
         engine.open_weight_receiver(layout, e * args.rollout_tp)

@@ -21,6 +21,7 @@ place. Journals of steps a checkpoint covers are deleted with it (`prune_journal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -104,3 +105,5 @@ def prune_journals(run_dir: str, rank: int, position: int) -> None:
 def remove_journals(run_dir: str, rank: int) -> None:
     """This rank's run is over: no step is left to take again."""
     shutil.rmtree(journal_dir(run_dir, rank), ignore_errors=True)
+    with contextlib.suppress(OSError):  # the last rank to finish leaves no empty inflight/ behind
+        os.rmdir(os.path.dirname(journal_dir(run_dir, rank)))

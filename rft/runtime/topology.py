@@ -21,6 +21,7 @@ environment and hands it to the role; nothing below it asks the whole config the
 from __future__ import annotations
 
 import os
+import random
 import socket
 from dataclasses import dataclass, replace
 
@@ -168,16 +169,34 @@ class Topology:
         return f"rollout rank {rank}" + (f" (engine {engine})" if self.engine_count > 1 else "")
 
 
+def _outside_ephemeral_ports() -> tuple[int, int]:
+    """A range of ports [start, stop) no outgoing connection takes: below the kernel's ephemeral
+    range, or above it where there is no room below."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(x) for x in f.read().split()[:2])
+    except (OSError, ValueError):
+        low, high = 32768, 60999  # Linux's default
+    if low - 3 > 2048:
+        return max(1024, low - 16384), low - 3
+    return high + 1, 65533
+
+
 def free_port() -> int:
-    """A port that is free now with its next two (trainer, weight and control groups)."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+    """A port that is free now with its next two (trainer, weight and control groups).
+
+    Chosen below the kernel's ephemeral range (net.ipv4.ip_local_port_range), where no outgoing
+    connection takes its local port: the weight group's store listens on the second port only at
+    the first sync, seconds later, and a port from the ephemeral range could be taken meanwhile by
+    any connection the ranks open (seen: EADDRINUSE in a test run)."""
+    start, stop = _outside_ephemeral_ports()
+    chooser = random.SystemRandom()
+    for _ in range(200):
+        port = chooser.randrange(start, stop)
         try:
-            for offset in (1, 2):
-                with socket.socket() as s2:
-                    s2.bind(("127.0.0.1", port + offset))
+            for offset in (0, 1, 2):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port + offset))
             return port
         except OSError:
             continue

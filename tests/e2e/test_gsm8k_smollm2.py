@@ -34,7 +34,7 @@ def test_gsm8k_grpo_one_step_on_cpu(tmp_path, gsm8k_dir, smollm2_dir):
     scalars = tensorboard_scalars(str(run_dir))
     assert [s for s, _ in scalars["loss/policy"]] == [1]
     assert 0.0 <= scalars["reward/mean"][0][1] <= 1.0
-    assert scalars["loss/kl"][0][1] >= 0.0
+    assert scalars["loss/kl"][0][1] >= -1e-8  # >= 0 in exact arithmetic; fp32 rounding gave -2.3e-10
     assert len(scalars["eval/accuracy"]) == 2  # before and after the step
     summary = json.load(open(run_dir / "summary.json"))
     assert summary["skipped_rows"][str(train)]["malformed"] == 2

@@ -387,16 +387,12 @@ class RolloutEngine:
         request had when it was frozen are not reported, and each token's version must be exact;
         an aborted request reports them. Like "keep" with its cache cleared, the continuation
         computes the KV of the tokens so far again, on the new weights."""
-        from vllm import SamplingParams
-
         segment = 0
         while done.finish_reason == "abort" and len(done.token_ids) < params.max_tokens:
             segment += 1
-            rest = SamplingParams(**{**{k: getattr(params, k) for k in ("temperature", "top_p", "top_k", "stop",
-                                                                         "stop_token_ids", "ignore_eos",
-                                                                         "output_kind", "logprobs")},
-                                     "n": 1, "max_tokens": params.max_tokens - len(done.token_ids),
-                                     "seed": None if params.seed is None else params.seed + 7919 * segment + sample})
+            rest = params.clone()  # every sampling setting of the request, for one sample's rest
+            rest.n, rest.max_tokens = 1, params.max_tokens - len(done.token_ids)
+            rest.seed = None if params.seed is None else params.seed + 7919 * segment + sample
             more, _ = await self._sample(prompt_ids + done.token_ids, rest)
             self.continued += 1
             step = more[0]

@@ -62,3 +62,26 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# Seconds spent per test file (setup, call and teardown together): the suite must stay within CI's
+# hour on 2 cores, and --durations alone lists single tests, not where a file's time adds up.
+_SECONDS_BY_FILE: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report):
+    path = report.nodeid.split("::", 1)[0]
+    _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _SECONDS_BY_FILE:
+        return
+    terminalreporter.section("seconds per test file (top 40)")
+    for path, seconds in sorted(_SECONDS_BY_FILE.items(), key=lambda kv: -kv[1])[:40]:
+        terminalreporter.write_line(f"{seconds:8.1f}  {path}")
+    by_folder: dict[str, float] = {}
+    for path, seconds in _SECONDS_BY_FILE.items():
+        folder = os.path.dirname(path)
+        by_folder[folder] = by_folder.get(folder, 0.0) + seconds
+    terminalreporter.write_line("  ".join(f"{folder}: {seconds:.0f} s" for folder, seconds in sorted(by_folder.items())))

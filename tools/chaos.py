@@ -198,16 +198,18 @@ def fault_times(run_dir: str) -> dict[tuple[str, int], float]:
     return times
 
 
-def check_run(run_dir: str, grpo_steps: int, sft_steps: int = SFT_STEPS, producer: int = ROLLOUT) -> dict[str, int]:
+def check_run(run_dir: str, grpo_steps: int, sft_steps: int = SFT_STEPS, producer: int = ROLLOUT,
+              trainer_dir: str | None = None) -> dict[str, int]:
     """Experience lost (steps whose shard, written by rank `producer`, was not consumed exactly
-    once), shards consumed that no step wrote, and trainer steps not logged exactly once."""
+    once), shards consumed that no step wrote, and trainer steps not logged exactly once.
+    `trainer_dir`: where the trainer's metrics are, if not in `run_dir` (a decoupled run's trainer job)."""
     from rft.buffer.shards import ExperienceBuffer
     from rft.runtime.monitor import read_jsonl
 
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"))
     expected = {f"step{s:08d}-p{producer:03d}.parquet" for s in range(sft_steps, sft_steps + grpo_steps)}
     consumed = Counter(buffer.consumed())
-    logged = Counter(r["step"] for r in read_jsonl(os.path.join(run_dir, "metrics", "trainer0.jsonl")))
+    logged = Counter(r["step"] for r in read_jsonl(os.path.join(trainer_dir or run_dir, "metrics", "trainer0.jsonl")))
     total = sft_steps + grpo_steps
     return {"experience_lost": sum(1 for name in expected if consumed[name] != 1),
             "experience_extra": sum(1 for name in consumed if name not in expected),

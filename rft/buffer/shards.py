@@ -116,7 +116,7 @@ class ExperienceBuffer:
         name = f"step{step:08d}-p{producer:03d}.{self.fmt}"
         final = os.path.join(self.root, name)
         # A second write of the same (step, producer), in any state, would duplicate experience.
-        if any(n == name or n.startswith(name + ".") for n in os.listdir(self.root)):
+        if self.written(step, producer):
             raise FileExistsError(f"shard {name} already exists in {self.root}: step {step} of producer "
                                   f"{producer} was written before (resumed without advancing the step?)")
         sink = pa.BufferOutputStream()
@@ -134,6 +134,11 @@ class ExperienceBuffer:
             data = data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1:]
         self._publish(name, data, entry)
         return final
+
+    def written(self, step: int, producer: int) -> bool:
+        """Whether `producer` wrote its shard of `step`, in any state since (ready, claimed, done, ...)."""
+        name = f"step{step:08d}-p{producer:03d}.{self.fmt}"
+        return any(n == name or n.startswith(name + ".") for n in os.listdir(self.root))
 
     def _publish(self, name: str, data: bytes, entry: dict) -> None:
         """Write `data` under a temporary name, record its manifest entry, rename it into place."""

@@ -22,6 +22,7 @@ from rft.config.data import (
 from rft.config.derived import (
                              VLLM_LORA_RANKS,
                              adapter_sync,
+                             buffer_dir,
                              generated_data,
                              judge_span,
                              needs_critic,
@@ -45,7 +46,7 @@ __all__ = [
     "BufferConfig", "ClusterConfig", "DataConfig", "EnvTasksConfig", "JudgeConfig", "JudgeDifficultyConfig",
     "LoRAConfig", "ModelConfig", "MonitorConfig", "RFTConfig", "ReplayConfig", "RolloutConfig", "RunConfig",
     "SelectorConfig", "ServeConfig", "StageConfig", "SyncConfig", "TinyModelConfig", "TrainerConfig",
-    "adapter_sync", "config_error", "context_length", "field_doc", "generated_data", "hf_config_json",
+    "adapter_sync", "buffer_dir", "config_error", "context_length", "field_doc", "generated_data", "hf_config_json",
     "judge_span", "needs_critic", "needs_rollouts", "operator_specs", "register_configs", "stage_configs",
     "sync_engine", "trains_lora", "vllm_lora_rank", "wire_dtype", "world_size",
 ]

@@ -21,6 +21,7 @@ class ReplayConfig:
 
 @dataclass
 class BufferConfig:
+    path: Optional[str] = None  # the shards' directory (None: <run.output_dir>/buffer; decoupled jobs share <run>/buffer)
     format: str = "parquet"  # parquet | arrow
     lease_s: float = 600.0  # a claimed shard not committed within this returns to the pool
     wait_timeout_s: float = 1800.0  # trainer gives up waiting for experience after this

@@ -221,12 +221,8 @@ def _check_free_run(cfg: RFTConfig) -> None:
     """A free-running explorer (rft/runtime/free_run.py) is bounded by the staleness limit alone."""
     if not cfg.sync.free_run:
         return
-    why, lead = "sync.free_run=true: ", cfg.buffer.max_staleness
-    if lead is None or lead < cfg.sync.interval - 1:
-        config_error("buffer.max_staleness", lead, why + "the explorer runs ahead while its shards stay within "
-                     f"this many trainer steps of their weights; use {max(1, cfg.sync.interval - 1)} or more "
-                     f"(at least sync.interval - 1 = {cfg.sync.interval - 1}, or it would wait for weights "
-                     "the trainer never sends)")
+    why = "sync.free_run=true: "
+    _check_lead(cfg, why)
     if cfg.sync.offset:
         config_error("sync.offset", cfg.sync.offset, why + "the explorer's lead is buffer.max_staleness, not a "
                      "fixed offset: use sync.offset=0")
@@ -236,6 +232,44 @@ def _check_free_run(cfg: RFTConfig) -> None:
     if cfg.rollout.on_engine_failure != "fail":
         config_error("rollout.on_engine_failure", cfg.rollout.on_engine_failure, why + "engines that may be lost "
                      "are not supported yet when running free: use rollout.on_engine_failure=fail")
+
+
+def _check_lead(cfg: RFTConfig, why: str) -> None:
+    """An explorer that runs free of the trainer is held back by the staleness bound alone."""
+    lead = cfg.buffer.max_staleness
+    if lead is None or lead < cfg.sync.interval - 1:
+        config_error("buffer.max_staleness", lead, why + "the explorer runs ahead while its shards stay within "
+                     f"this many trainer steps of their weights; use {max(1, cfg.sync.interval - 1)} or more "
+                     f"(at least sync.interval - 1 = {cfg.sync.interval - 1}, or it would wait for weights "
+                     "the trainer never sends)")
+
+
+def _check_decoupled(cfg: RFTConfig) -> None:
+    """Decoupled jobs (rft/runtime/decoupled.py) share a buffer and a weights directory only."""
+    if not cfg.sync.decoupled:
+        return
+    why = "sync.decoupled=true: "
+    if cfg.mode not in ("explore", "train"):
+        config_error("mode", cfg.mode, why + "the explorer and the trainer run as two jobs: launch one with mode=explore "
+                     "and one with mode=train, with the same run.output_dir (mode=both runs both in one job)")
+    if cfg.sync.engine not in ("auto", "checkpoint"):
+        config_error("sync.engine", cfg.sync.engine, why + "the jobs share no process group; weights go through "
+                     "sync.checkpoint_dir: use sync.engine=auto")
+    for key, value, fix in (("sync.free_run", cfg.sync.free_run, "decoupled exploration runs free already: drop it"),
+                            ("sync.offset", cfg.sync.offset, "the explorer's lead is buffer.max_staleness: use 0"),
+                            ("cluster.colocate", cfg.cluster.colocate, "two jobs have two allocations: use false"),
+                            ("rollout.partial_rollout", cfg.rollout.partial_rollout, "not supported yet between jobs")):
+        if value:
+            config_error(key, value, why + fix)
+    _check_lead(cfg, why)
+    if cfg.run.resume == "never":
+        config_error("run.resume", "never", why + "the two jobs share the run's experience and weights, so one cannot "
+                     "start over alone: start a new run in a new run.output_dir instead")
+    for name, stage in stage_configs(cfg):
+        if not needs_rollouts(stage):
+            config_error(f"{f'stages[{name}].' if cfg.stages else ''}algorithm.policy_loss", stage.algorithm.policy_loss,
+                         why + "every stage learns from the explorer job's rollouts; run a dataset stage (sft, dpo) "
+                         "as a mode=train job of its own first, and start both jobs from its export (model.path)")
 
 
 def _check_bench(cfg: RFTConfig) -> None:
@@ -285,6 +319,7 @@ def validate(cfg: RFTConfig) -> None:
     _check_engine_failure(cfg)
     _check_colocate(cfg)
     _check_free_run(cfg)
+    _check_decoupled(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):
@@ -328,9 +363,10 @@ def validate(cfg: RFTConfig) -> None:
         _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)
         _check_file(f"{prefix}data.eval_path", data.eval_path, data.eval_path in written)
         plugin_checks.check_algorithm(prefix, algo)
-        if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo"):
+        if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo") and not cfg.sync.decoupled:
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
-                         "mode=train learns from datasets only: use sft or dpo (or mode=both for RL)")
+                         "mode=train learns from datasets only: use sft or dpo, mode=both for RL, or sync.decoupled=true "
+                         "for a trainer job beside a mode=explore job")
         if cfg.mode == "explore" and not needs_rollouts(stage):
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "mode=explore only generates rollouts: a dataset stage (sft, dpo) has nothing to do")

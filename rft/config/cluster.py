@@ -12,6 +12,7 @@ class SyncConfig:
     interval: int = 1  # rollout stages: trainer steps between weight syncs (rft/runtime/schedule.py)
     offset: int = 0  # rollout stages: explorer steps ahead of the trainer (0: take turns, 1: one-step-off)
     free_run: bool = False  # rollout stages: the explorer never waits at the trainer's steps; it runs ahead within buffer.max_staleness (rft/runtime/free_run.py)
+    decoupled: bool = False  # rollout stages: mode=explore and mode=train as two jobs on one run.output_dir, sharing only its buffer/ and weights/ (rft/runtime/decoupled.py)
     engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
     bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
     wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype

@@ -3,6 +3,8 @@ needs (rollouts, a critic), the weight-sync engine and dtype, vLLM's LoRA rank."
 
 from __future__ import annotations
 
+import os
+
 from omegaconf import OmegaConf
 
 from rft.config.cluster import SyncConfig
@@ -84,16 +86,22 @@ def judge_span(cfg: RFTConfig) -> int:
 
 def sync_engine(sync: SyncConfig, on_gpu: bool, colocated: bool = False) -> str:
     """The weight-transfer engine `sync.engine=auto` resolves to on this hardware: nccl on GPUs,
-    gloo on CPU; colocated roles (cluster.colocate) use the checkpoint engine everywhere, as NCCL
-    cannot join two processes on one GPU (rft/runtime/colocation.py)."""
+    gloo on CPU. Colocated roles (cluster.colocate) use the checkpoint engine everywhere, as NCCL
+    cannot join two processes on one GPU (rft/runtime/colocation.py); so do decoupled jobs
+    (sync.decoupled), which share no process group."""
     if sync.engine != "auto":
         return sync.engine
-    return "checkpoint" if colocated else ("nccl" if on_gpu else "gloo")
+    return "checkpoint" if colocated or sync.decoupled else ("nccl" if on_gpu else "gloo")
 
 
 def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:
     """The dtype weights travel in: bfloat16 on GPUs by default, the model's dtype on CPU."""
     return cfg.sync.wire_dtype if cfg.sync.wire_dtype != "auto" else ("bfloat16" if on_gpu else cfg.model.dtype)
+
+
+def buffer_dir(cfg: RFTConfig) -> str:
+    """Where the run's experience shards go (buffer.path, by default <run.output_dir>/buffer)."""
+    return cfg.buffer.path or os.path.join(cfg.run.output_dir, "buffer")
 
 
 def needs_rollouts(stage: RFTConfig) -> bool:

@@ -33,6 +33,7 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.config import (
     RFTConfig,
     adapter_sync,
+    buffer_dir,
     needs_rollouts,
     operator_specs,
     vllm_lora_rank,
@@ -48,6 +49,7 @@ from rft.data.selectors import SELECTORS, build_selector
 from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import Task, row_scalars
 from rft.explorer.dealer import Dealer
+from rft.explorer.decoupled import WeightFollower
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.free_run import FreeRunning
 from rft.explorer.journal import GenerationJournal, prune_journals, remove_journals
@@ -88,12 +90,15 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
                          **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0} if judges else {}))
     explorer = Explorer(cfg, topology, engines, runtime, judges)
     free = FreeRunning(cfg, topology, runtime, explorer)
+    follower = WeightFollower(cfg, explorer) if cfg.sync.decoupled else None  # the trainer job's weights
     for stage in runtime.stages():
         explorer.begin(stage)
         if free_running(cfg, stage.cfg):  # sync.free_run: no meetings at the trainer's steps
             free.run_stage(stage)
         else:
-            run_lockstep(explorer, stage)
+            run_lockstep(explorer, stage, follower)
+        if follower is not None:
+            follower.at_end(stage)
         explorer.evaluate(stage, "end", stage.start + stage.cfg.trainer.max_steps)
         explorer.end()
     if explorer.endpoint is not None:
@@ -104,11 +109,16 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
 
 
-def run_lockstep(explorer: Explorer, stage: Stage) -> None:
-    """A stage's steps, each meeting the trainer steps it pairs with (rft/runtime/schedule.py)."""
+def run_lockstep(explorer: Explorer, stage: Stage, follower: WeightFollower | None = None) -> None:
+    """A stage's steps, each meeting the trainer steps it pairs with (rft/runtime/schedule.py).
+    A decoupled explorer meets no trainer: `follower` loads the trainer job's weights before each step."""
     runtime = explorer.runtime
     for step in stage.steps():
-        scalars = step.pending if step.resumed else explorer.explore(stage, step)
+        if step.resumed:
+            scalars = step.pending
+        else:
+            followed = follower.before(step) if follower is not None else {}
+            scalars = {**explorer.explore(stage, step), **followed}
         points = stage.control_points(step, "rollout")
         explorer.hand_over([point.version for point in points])  # colocated: sleep while the trainer trains
         with runtime.timed("sync_wait_s"):
@@ -173,9 +183,9 @@ class Explorer:
                  judges: JudgeClient | None = None):
         self.cfg, self.topology, self.engines, self.runtime, self.judges = cfg, topology, engines, runtime, judges
         run_dir = cfg.run.output_dir
-        self.buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+        self.buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
         runtime.group.meeting.while_waiting = self.resend_quarantined  # the trainer may wait for one
-        self.failed_path = os.path.join(run_dir, "buffer", "failed.jsonl")
+        self.failed_path = os.path.join(buffer_dir(cfg), "failed.jsonl")
         self.version = runtime.state.track("version", Value(0))  # the weights the engines serve
         for engine in engines:
             engine.version = self.version.value
@@ -301,8 +311,13 @@ class Explorer:
         experiences += sessions
         generated = time.time()
         faults.strike("generation", step.global_step, self.topology.rank, self.cfg.run.output_dir)
-        self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.topology.rank,
-                          version=self.version.value)
+        if self.cfg.sync.decoupled and self.buffer.written(step.global_step - 1, self.topology.rank):
+            # a decoupled explorer's restart: the trainer job may have trained it already (rft/runtime/decoupled.py)
+            print(f"step {step.global_step}: its shard was written before the restart; kept, not written again",
+                  flush=True)
+        else:
+            self.buffer.write(to_table(experiences), step=step.global_step - 1, producer=self.topology.rank,
+                              version=self.version.value)
         written = time.time()
         self.runtime.progress.add(rollout_s=generated - start, buffer_s=written - generated,
                                   reward_errors=sum(o.reward_errors for o in outcomes),

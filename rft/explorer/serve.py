@@ -22,7 +22,7 @@ import time
 
 from rft.buffer.experience import to_table
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig
+from rft.config import RFTConfig, buffer_dir
 from rft.explorer.dealer import Dealer
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
@@ -40,7 +40,7 @@ def run_server(cfg: RFTConfig, topology: Topology, control: ControlGroup, stop: 
                            name=f"engine {index}", loop=LoopThread())
     stop.install()
     endpoint = serve_endpoint(cfg, engine, Dealer(control.store, index, topology.engine_count, cfg.sync.timeout_s), index)
-    buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
     monitor = Monitor(cfg.run.output_dir, f"serve{topology.rank}")
     step = next_step(buffer.root, topology.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}
@@ -96,15 +96,22 @@ def load_newer_weights(engine: RolloutEngine, checkpoint_dir: str) -> dict[str, 
     newest = newest_complete_version(checkpoint_dir)
     if newest <= engine.version:
         return {}
-    start, path = time.time(), version_dir(checkpoint_dir, newest)
+    start = time.time()
+    if not load_version(engine, checkpoint_dir, newest):
+        return {}
+    print(f"{engine.name}: serving weights version {newest} from {checkpoint_dir}", flush=True)
+    return {"serve/weight_load_s": time.time() - start, "serve/version": float(newest)}
+
+
+def load_version(engine: RolloutEngine, checkpoint_dir: str, version: int) -> bool:
+    """Serve the checkpoint engine's `version` from now on; False if the writer pruned it while it
+    loaded (it keeps the newest two: a newer one is there to load instead)."""
+    path = version_dir(checkpoint_dir, version)
     try:
-        engine.load_hf_dir(path)
+        engine.load_hf_dir(path, version)
     except Exception:
         if os.path.isdir(path):
             raise
-        # pruned by the writer's next version meanwhile: load that one at the next step
-        print(f"{engine.name}: weights version {newest} vanished while loading; loading a newer one next", flush=True)
-        return {}
-    engine.version = newest
-    print(f"{engine.name}: serving weights version {newest} from {checkpoint_dir}", flush=True)
-    return {"serve/weight_load_s": time.time() - start, "serve/version": float(newest)}
+        print(f"{engine.name}: weights version {version} vanished while loading; loading a newer one next", flush=True)
+        return False
+    return True

@@ -12,6 +12,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rft.config import RFTConfig
 from rft.config.checks import validate
+from rft.runtime.decoupled import JOB_DIRS, split_run_dir
 from rft.runtime.run_dir import Owner
 
 
@@ -64,6 +65,8 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         with open_dict(dcfg):
             dcfg.data.train_path = ""  # serving reads no taskset: nothing to ask the user for
     try:
+        if dcfg.sync.get("decoupled") and dcfg.get("mode") in JOB_DIRS:  # one half of a run: its own files
+            split_run_dir(dcfg)
         cfg: RFTConfig = OmegaConf.to_object(dcfg)
     except MissingMandatoryValue as err:
         raise ValueError(_missing_key_message(err)) from None

@@ -41,9 +41,14 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         console.print(table)
         return
     tp, pp = cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size
-    table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
-    table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
-                                   f"model {cfg.model.name})")
+    t = 0 if cfg.mode == "explore" else t  # the ranks this mode runs (Topology.of)
+    if cfg.mode != "explore":
+        table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
+    if cfg.mode != "train":
+        table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
+                                       f"model {cfg.model.name})")
+    if cfg.sync.decoupled:
+        table.add_row("decoupled", decoupled_line(cfg))
     if cfg.mode in ("both", "explore") and r:
         table.add_row("engines", engines_line(cfg))
     if cfg.cluster.colocate:
@@ -57,7 +62,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
                                      f"calls time out after {cfg.judge.timeout_s:g}s)")
     engine = cfg.sync.engine if cfg.sync.engine != "auto" or not cfg.cluster.colocate else \
         f"checkpoint (colocated) at {cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, 'weights')}"
-    table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s")
+    if cfg.mode == "both":
+        table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s")
     if cfg.mode == "both":
         table.add_row("schedule", schedule_line(cfg))
     context, stages = context_length(cfg.model), stage_configs(cfg)
@@ -78,6 +84,19 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def decoupled_line(cfg: RFTConfig) -> str:
+    """What this half of a decoupled run (rft/runtime/decoupled.py) takes from the other and gives it."""
+    from rft.runtime.decoupled import OTHER_JOB
+
+    other, lead = OTHER_JOB[cfg.mode], cfg.buffer.max_staleness
+    if cfg.mode == "explore":
+        return (f"this job explores; {other} trains. Shards -> {cfg.buffer.path}, each started within {lead} trainer "
+                f"step(s) of its weights (buffer.max_staleness); weights: the newest version in {cfg.sync.checkpoint_dir}")
+    return (f"this job trains; {other} explores. Shards <- {cfg.buffer.path}; weights -> {cfg.sync.checkpoint_dir} every "
+            f"{cfg.sync.interval} step(s). Each job waits for the other at most {cfg.buffer.wait_timeout_s:.0f}s "
+            "(buffer.wait_timeout_s)")
 
 
 def nodes_line(cfg: RFTConfig) -> str:

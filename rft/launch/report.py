@@ -186,7 +186,10 @@ def print_summary(summary: dict) -> None:
                 (f"{100 * (end - start):+.1f} pts" if fraction else f"{end - start:+.2f}")
             label = "reward" if what == "accuracy" and not fraction else what  # accuracy: rewards in [0, 1]
             table.add_row(name, label, _fmt(start, fraction), _fmt(end, fraction), delta)
-    console.print(table)
+    if table.row_count:
+        console.print(table)
+    else:  # mode=train of RL stages: a decoupled run's explorer job evaluates
+        console.print("no evaluations in this job: the explorer evaluates (for a decoupled run, the mode=explore job)")
     split = Table(title=f"wall time {summary['wall_s']:.1f}s, {summary['steps']} steps")
     split.add_column("rank")
     split.add_column("part")

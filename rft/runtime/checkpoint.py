@@ -152,7 +152,9 @@ def record_layout(run_dir: str, done: int, layout: dict[str, Any]) -> None:
     (`trainer_ranks`, `voting_ranks`), so a job of another layout finds each rank's file."""
     from rft.runtime.monitor import write_json_atomic
 
-    write_json_atomic(os.path.join(checkpoint_root(run_dir), f"step{done:08d}", "layout.json"), layout)
+    step_dir = os.path.join(checkpoint_root(run_dir), f"step{done:08d}")
+    os.makedirs(step_dir, exist_ok=True)  # a rollout rank 0 (mode=explore) saves no shards that would make it
+    write_json_atomic(os.path.join(step_dir, "layout.json"), layout)
 
 
 def saved_layout(step_dir: str) -> dict[str, Any] | None:

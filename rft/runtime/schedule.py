@@ -47,8 +47,8 @@ def publishes_after(cfg: RFTConfig, stage: RFTConfig, stage_start: int, t: int, 
     """Whether the trainer sends its weights after its stage step `t` (`stage_start`: global
     steps done before the stage). `resumed`: `t` is the step a restarted job resumes at; a
     restarted explorer holds the initial weights, so it always gets the trainer's."""
-    if cfg.mode in ("train", "explore"):  # one side only: no weights move
-        return False
+    if cfg.mode == "explore" or (cfg.mode == "train" and not cfg.sync.decoupled):  # no weights move
+        return False  # (a decoupled explorer loads what the trainer job writes: rft/runtime/decoupled.py)
     steps = stage.trainer.max_steps
     if t + 1 == steps or resumed:
         return True

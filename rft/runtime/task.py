@@ -16,10 +16,11 @@ def _roll_back_buffer(cfg, topology, resume) -> None:
     ExperienceBuffer.roll_back), and return to the pool what it wrote before it but the trainer
     consumed after its own (with sync.offset the explorer saves ahead of the trainer)."""
     from rft.buffer.shards import ExperienceBuffer
+    from rft.config import buffer_dir
     from rft.runtime.checkpoint import requeue_count
 
     written = resume.load(topology.rank)["progress"]["global_step"]  # shards [0, written) are in this checkpoint
-    buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
     into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{written:08d}"
     moved = buffer.roll_back(topology.rank, written, into)
     if moved:
@@ -195,8 +196,12 @@ def _rank_main(config: dict, master_port: int) -> dict:
             _start_over_after_requeue(cfg, resume)
         if resume is not None:
             print(f"resuming from {resume.step_dir} ({resume.done} steps done)", flush=True)
-            if topology.role == "rollout":
+            if topology.role == "rollout" and not cfg.sync.decoupled:  # a decoupled explorer keeps its shards
                 _roll_back_buffer(cfg, topology, resume)
+        if cfg.sync.decoupled and topology.rank == 0 and topology.role == "trainer":
+            from rft.runtime.decoupled import reopen_after
+
+            reopen_after(cfg, resume.done if resume is not None else 0)
         if topology.is_engine_follower:
             return hold_until_finished(topology)
         if topology.role == "rollout" and cfg.cluster.gpus_per_node:

@@ -21,7 +21,7 @@ import torch
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig, adapter_sync, needs_critic, needs_rollouts, operator_specs, stage_configs, trains_lora
+from rft.config import RFTConfig, adapter_sync, buffer_dir, needs_critic, needs_rollouts, operator_specs, stage_configs, trains_lora
 from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
 from rft.data.stage_tasks import read_stage_tasks
@@ -30,6 +30,7 @@ from rft.runtime import faults
 from rft.runtime.checkpoint import Resume, prune, rng_state, seed_all, set_rng_state
 from rft.runtime.colocation import TrainerTurns
 from rft.runtime.control import Runtime, Stage
+from rft.runtime.decoupled import explorer_producers
 from rft.runtime.membership import lost_ranks
 from rft.runtime.monitor import progress_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag
@@ -85,7 +86,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
         for step in stage.steps():
             with turns.training(step.global_step, step.resumed):  # colocated: once the engines sleep
                 scalars = step.pending if step.resumed else learner.train(stage)
-            unsent = unsent or changed_weights(scalars) or turns.engines_drop_weights
+            # a decoupled explorer learns of a version only from its files: it is written even if unchanged
+            unsent = unsent or changed_weights(scalars) or turns.engines_drop_weights or cfg.sync.decoupled
             for point in stage.control_points(step, "trainer"):
                 point.meet(scalars, weights_changed=unsent)
                 if point.publishes:
@@ -166,8 +168,10 @@ class Learner:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        buffer = ExperienceBuffer(os.path.join(cfg.run.output_dir, "buffer"), cfg.buffer.format, cfg.buffer.lease_s)
+        buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
         producers = topology.engine_leaders if cfg.mode == "both" else None  # each engine writes a shard per step
+        if cfg.sync.decoupled:  # the engines of the explorer job beside this one (rft/runtime/decoupled.py)
+            producers = explorer_producers(cfg)
         lost = None
         if topology.losable_ranks:  # rollout.on_engine_failure=continue: a lost engine's shards never come
             lost = lambda missing: lost_ranks(runtime.group.store, missing)  # noqa: E731

@@ -12,7 +12,9 @@ explorer never meets the trainer's steps and stays within S steps of staleness),
 `free:S:partial` adds `rollout.partial_rollout=true` (weight updates cut generations, which go on
 with the new weights). A step is measured on the trainer from the end of one step
 to the end of the next; the first two GRPO steps are left out (stage-start eval, pipeline fill).
-Prints one JSON object per setting: mean step seconds, speed-up over the first setting, and the
+Prints one JSON object per setting: mean step seconds, the trainer's train and the explorer's
+rollout seconds per step, their overlap (the share of the wall both were busy, at least:
+(train + rollout - wall) / wall over the measured steps), speed-up over the first setting, and the
 mean and max `policy/version_lag` (trainer steps between the weights that generated a shard and
 its training step). Where the roles share few cores (a laptop, CI) overlap buys little: both
 compete for the same cores; on a GPU node each role has its own devices.
@@ -47,10 +49,17 @@ def run(sft_steps: int, grpo_steps: int, setting: str, out: str, extra: list[str
     print("running:", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=True, stdout=subprocess.DEVNULL)
     rows = [r for r in read_jsonl(os.path.join(out, "metrics", "trainer0.jsonl")) if r["stage"] == "grpo"][2:]
-    step_s = [r["timing/step_s"] for r in rows]
+    steps = {r["step"] for r in rows}
+    explored = [r for r in read_jsonl(os.path.join(out, "metrics", "rollout1.jsonl"))
+                if r["stage"] == "grpo" and r["step"] in steps and "timing/rollout_s" in r]
+    wall, train = sum(r["timing/step_s"] for r in rows), sum(r["timing/train_s"] for r in rows)
+    rollout = sum(r["timing/rollout_s"] for r in explored)
     lags = [r["policy/version_lag"] for r in rows]
     return {"setting": setting, "offset": offset, "interval": interval, "steps_measured": len(rows),
-            "step_s": sum(step_s) / len(step_s), "version_lag_mean": sum(lags) / len(lags), "version_lag_max": max(lags)}
+            "step_s": wall / len(rows), "train_s": train / len(rows), "rollout_s": rollout / len(explored),
+            # the share of the wall both roles were busy at least: what of their work the schedule overlaps
+            "overlap": max(0.0, train + rollout - wall) / wall,
+            "version_lag_mean": sum(lags) / len(lags), "version_lag_max": max(lags)}
 
 
 def main() -> None:

@@ -129,6 +129,8 @@ def run_lockstep(explorer: Explorer, stage: Stage, follower: WeightFollower | No
                 elif point.publishes:
                     scalars["timing/weight_apply_s"] = explorer.receive_weights(point.version)
         runtime.log(stage, step.global_step, scalars)
+        if explorer.cfg.mode == "explore" and explorer.topology.rank == 0:  # no trainer shows the progress
+            runtime.show_progress(stage, step.global_step, scalars)
         if is_eval_step(explorer.cfg, step.global_step, step.index, stage.cfg.trainer.max_steps):
             explorer.evaluate(stage, "interval", step.global_step)
 

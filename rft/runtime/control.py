@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from rft.config import RFTConfig, stage_configs
 from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
 from rft.runtime.free_run import TrainerVotes
-from rft.runtime.monitor import Monitor, peak_rss_gb, rank_summary_path, write_json_atomic
+from rft.runtime.monitor import Monitor, peak_rss_gb, progress_path, rank_summary_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag, requeue_or_stop
 from rft.runtime.schedule import free_running, paired_trainer_steps, publishes_after
 from rft.runtime.state import Progress, RankState
@@ -84,6 +84,13 @@ class Runtime:
     def log(self, stage: Stage, step: int, scalars: dict[str, float]) -> None:
         if self.monitor is not None and scalars:
             self.monitor.log(step, scalars, stage.name)
+
+    def show_progress(self, stage: Stage, step: int, scalars: dict[str, float]) -> None:
+        """The launcher's progress bar: written by rank 0 (the trainer's, or mode=explore's engine)."""
+        stages = stage_configs(self.cfg)
+        write_json_atomic(progress_path(self.cfg.run.output_dir), {
+            "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages), "step": step,
+            "total_steps": sum(s.trainer.max_steps for _, s in stages), "reward": scalars.get("reward/mean")})
 
     def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float]) -> None:
         """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote

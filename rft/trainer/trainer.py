@@ -21,7 +21,7 @@ import torch
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig, adapter_sync, buffer_dir, needs_critic, needs_rollouts, operator_specs, stage_configs, trains_lora
+from rft.config import RFTConfig, adapter_sync, buffer_dir, needs_critic, needs_rollouts, operator_specs, trains_lora
 from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
 from rft.data.stage_tasks import read_stage_tasks
@@ -32,7 +32,6 @@ from rft.runtime.colocation import TrainerTurns
 from rft.runtime.control import Runtime, Stage
 from rft.runtime.decoupled import explorer_producers
 from rft.runtime.membership import lost_ranks
-from rft.runtime.monitor import progress_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.topology import Topology
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
@@ -77,8 +76,6 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, topology, geo))
     add_checkpoint_hooks(cfg, topology, runtime, model, publisher)
     learner = Learner(cfg, topology, model, geo, runtime)
-    stages = stage_configs(cfg)
-    total_steps = sum(s.trainer.max_steps for _, s in stages)
     for stage in runtime.stages():
         learner.begin(stage)
         publisher.begin_stage(learner.lora, adapter_sync(stage.cfg))  # a LoRA stage sends W + B A, or A and B
@@ -103,10 +100,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                     unsent = False
             scalars["timing/step_s"], step_start = time.time() - step_start, time.time()
             runtime.log(stage, step.global_step, scalars)
-            if topology.rank == 0:  # the launcher's progress bar
-                write_json_atomic(progress_path(cfg.run.output_dir), {
-                    "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages),
-                    "step": step.global_step, "total_steps": total_steps, "reward": scalars.get("reward/mean")})
+            if topology.rank == 0:
+                runtime.show_progress(stage, step.global_step, scalars)
         learner.end()  # a LoRA stage's adapters are merged into the weights now
         publisher.begin_stage(None, False)
     lost = lost_ranks(group.store, topology.engine_leaders) if topology.rank == 0 and topology.losable_ranks else {}

@@ -1,7 +1,7 @@
 """sync.decoupled=true on the local Slurm: the explorer (mode=explore) and the trainer (mode=train)
 as two jobs on one run.output_dir, GRPO from the quickstart's SFT warm-up. A third of the way in
-the explorer's job is cancelled (scancel) and launched again; two thirds of the way in, the
-trainer's. Each resumes from its own checkpoint while the other waits for it, and the run ends as
+the explorer's job is cancelled (scancel) one step after its checkpoint and launched again; two
+thirds of the way in, the trainer's. Each resumes from its own checkpoint while the other waits for it, and the run ends as
 if never stopped: every step's shard trained exactly once, every trainer step logged once, no
 shard trained more than buffer.max_staleness steps after its weights, and the run learns."""
 
@@ -38,14 +38,17 @@ def _trained(run: Path) -> int:
         return 0
 
 
-def _cancel_at(run: Path, step: int, job: str, launcher: subprocess.Popen, others: list[subprocess.Popen]) -> str:
-    """Once the trainer has done `step` steps, scancel `job`'s (explorer or trainer) newest Slurm job;
-    its launcher's output."""
+def _shards(run: Path) -> int:
+    return len(list(read_jsonl(run / "buffer" / "manifest.jsonl")))
+
+
+def _cancel_when(ready, job: str, run: Path, launcher: subprocess.Popen, others: list[subprocess.Popen]) -> str:
+    """Once `ready()`, scancel `job`'s (explorer or trainer) newest Slurm job; its launcher's output."""
     deadline = time.time() + 600
-    while _trained(run) < step:
+    while not ready():
         assert time.time() < deadline and all(p.poll() is None for p in (launcher, *others)), \
             [p.communicate()[0][-3000:] for p in (launcher, *others) if p.poll() is not None]
-        time.sleep(0.2)
+        time.sleep(0.1)
     newest_log = max((run / job / "logs").glob("*_0_log.out"), key=os.path.getmtime)
     subprocess.run(["scancel", newest_log.name.split("_")[0]], check=True)
     out, _ = launcher.communicate(timeout=300)
@@ -58,9 +61,11 @@ def test_an_explorer_job_and_a_trainer_job_learn_and_each_is_cancelled_and_relau
     run = tmp_path / "run"
     explorer, trainer = _launch(run, exported_sft_model, "explore"), _launch(run, exported_sft_model, "train")
     try:
-        _cancel_at(run, STEPS // 3, "explorer", explorer, [trainer])
+        # the explorer writes its step 9's shard after its checkpoint at step 8, and the next checkpoint (10)
+        # comes a whole step's generation later: cancelled at once, it has that step to take again
+        _cancel_when(lambda: _shards(run) >= 9, "explorer", run, explorer, [trainer])
         explorer = _launch(run, exported_sft_model, "explore")  # the trainer waits for its shards meanwhile
-        _cancel_at(run, 2 * STEPS // 3, "trainer", trainer, [explorer])
+        _cancel_when(lambda: _trained(run) >= 2 * STEPS // 3, "trainer", run, trainer, [explorer])
         trainer = _launch(run, exported_sft_model, "train")  # the explorer waits for its weights meanwhile
         outs = {name: p.communicate(timeout=600)[0] for name, p in (("explorer", explorer), ("trainer", trainer))}
     finally:

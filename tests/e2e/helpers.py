@@ -12,7 +12,7 @@ from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the shortened quickstart of the session fixture `quickstart_run` (tests/conftest.py)
-QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 2000, 40
+QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 1000, 40
 
 
 def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -14,16 +14,18 @@ from rft.launch.job_state import process_running as alive
 from rft.runtime.checkpoint import newest_complete
 from tests.e2e.helpers import launch, launch_until_step, leftovers, stop_launcher, tensorboard_scalars
 
-SFT, GRPO = 300, 8
+GRPO = 8
 
 
-def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
+def test_two_engines_share_every_step_and_serve_the_same_version(exported_sft_model, tmp_path):
     """With the `difficulty` selector, which chooses by the rewards it sees: each engine sees both
-    engines' (rft/explorer/explorer.py), so both draw the same batch to share."""
+    engines' (rft/explorer/explorer.py), so both draw the same batch to share. From the
+    quickstart's SFT'd model, so that rewards differ between tasks."""
     run_dir = tmp_path / "run"
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "cluster.rollout_ranks=2",
-                    f"stages.0.trainer.max_steps={SFT}", f"stages.1.trainer.max_steps={GRPO}",
-                    "+stages.1.data.selector.name=difficulty", timeout=900)
+                    "model.tiny=null", f"model.path={exported_sft_model}",
+                    f"stages=[{{name: grpo, algorithm: {{name: grpo}}, trainer: {{max_steps: {GRPO}}}, "
+                    "data: {selector: {name: difficulty}}}]", timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     plan = " ".join(result.stdout.replace("│", " ").split())
     assert "engine 0: rank 1 on this machine" in plan and "engine 1: rank 2 on this machine" in plan
@@ -32,7 +34,7 @@ def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
     for line in (run_dir / "buffer" / "manifest.jsonl").read_text().splitlines():
         entry = json.loads(line)
         shards[entry["step"]][entry["producer"]] = (entry["rows"], entry["version"])
-    assert sorted(shards) == list(range(SFT, SFT + GRPO))
+    assert sorted(shards) == list(range(GRPO))
     for step, by_producer in shards.items():
         assert sorted(by_producer) == [1, 2], (step, by_producer)  # both engines wrote the step
         assert all(rows > 0 for rows, _ in by_producer.values()), (step, by_producer)  # both were dealt tasks
@@ -46,19 +48,18 @@ def test_two_engines_share_every_step_and_serve_the_same_version(tmp_path):
     assert len(selected[0]) == GRPO and selected[0] == selected[1]  # one selector state on both engines
     assert selected[0][-1]["selector/tasks_seen"] > 32
     consumed = ExperienceBuffer(str(run_dir / "buffer")).consumed()
-    assert consumed == [f"step{s:08d}-p{p:03d}.parquet" for s in range(SFT, SFT + GRPO) for p in (1, 2)]
+    assert consumed == [f"step{s:08d}-p{p:03d}.parquet" for s in range(GRPO) for p in (1, 2)]
 
     evals = [json.loads(line) for line in (run_dir / "metrics" / "eval.jsonl").read_text().splitlines()]
-    assert [(e["stage"], e["when"]) for e in evals] == [("sft", "start"), ("sft", "end"), ("grpo", "start"),
-                                                        ("grpo", "end")]  # one line each, not one per engine
+    assert [(e["stage"], e["when"]) for e in evals] == [("grpo", "start"), ("grpo", "end")]  # not one per engine
     assert all(e["num_tasks"] == 200 for e in evals)
     shares = [json.loads((run_dir / "metrics" / f"summary-rank{r}.json").read_text())["eval_samples"] for r in (1, 2)]
-    assert sum(shares) == 4 * 200 and min(shares) > 0, shares  # each evaluation split over both engines
+    assert sum(shares) == 2 * 200 and min(shares) > 0, shares  # each evaluation split over both engines
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["engines"] == 2
     scalars = tensorboard_scalars(str(run_dir))
-    assert len(scalars["eval/accuracy"]) == 4  # engine 0 logs the shared evaluation
-    assert sorted(s for s, _ in scalars["loss/policy"])[-GRPO:] == list(range(SFT + 1, SFT + GRPO + 1))
+    assert len(scalars["eval/accuracy"]) == 2  # engine 0 logs the shared evaluation
+    assert sorted(s for s, _ in scalars["loss/policy"]) == list(range(1, GRPO + 1))
 
 
 def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):

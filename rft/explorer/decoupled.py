@@ -25,6 +25,9 @@ POLL_S = 0.2
 
 
 class WeightFollower:
+    """The trainer job's weights for one explorer rank (`explorer`: its rft.explorer.explorer.Explorer,
+    untyped here as that module builds this one)."""
+
     def __init__(self, cfg: RFTConfig, explorer):
         self.root, self.lead, self.timeout_s = cfg.sync.checkpoint_dir, cfg.buffer.max_staleness, cfg.buffer.wait_timeout_s
         self.explorer = explorer

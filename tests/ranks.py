@@ -37,4 +37,9 @@ def _run_then_exit(rank: int, worker, *args) -> None:
     worker(rank, *args)  # an exception leaves through torch's wrapper, which reports it to the parent
     sys.stdout.flush()
     sys.stderr.flush()
+    # os._exit skips multiprocessing's atexit, which ends the rank's own children: megatron-core's
+    # checkpoint writer starts a Manager process, and it outlived the test (a job's ranks have
+    # rft/runtime/supervisor.py end their process group instead)
+    for child in multiprocessing.active_children():
+        child.terminate()
     os._exit(0)

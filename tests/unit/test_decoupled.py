@@ -1,7 +1,7 @@
 """Decoupled jobs without a model: the combinations refused with the key to change, each job's
 paths split from the one run.output_dir both are given, and a restarted trainer job giving back
 the shards it took after its checkpoint (the two jobs run on the local Slurm in
-tests/slurm/test_decoupled.py)."""
+tests/slurm/test_decoupled_jobs.py)."""
 
 import os
 

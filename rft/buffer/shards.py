@@ -236,18 +236,21 @@ class ExperienceBuffer:
             time.sleep(min(poll_s, max(0.0, timeout_s - waited)))
 
     def claim_step(self, consumer: int, producers: list[int], timeout_s: float, poll_s: float = 0.02,
-                   lost: Callable[[list[int]], object] | None = None) -> list[Claim]:
-        """Lease the oldest step's shards, one from each of `producers`, once all of them are
-        ready (a job with several engines: each writes its own shard of every step, and the
-        trainer trains a step on all of them). Waits up to `timeout_s`. `lost(missing)`: which of
-        the producers still missing are gone for good (rollout.on_engine_failure=continue); the
-        step is then taken without them."""
-        start = time.monotonic()
+                   lost: Callable[[list[int]], object] | None = None, step: int | None = None) -> list[Claim]:
+        """Lease the shards of `step` (default: the oldest step ready), one from each of
+        `producers`, once all of them are ready (a job with several engines: each writes its own
+        shard of every step, and the trainer trains a step on all of them). Waits up to
+        `timeout_s`. `lost(missing)`: which of the producers still missing are gone for good
+        (rollout.on_engine_failure=continue); the step is then taken without them. A trainer names
+        its step: a shard of it quarantined and not yet written again must not let the next
+        step's go first."""
+        start, wanted = time.monotonic(), step
         while True:
             self.release_expired()
             ready = self.pending()
-            step = _sort_key(ready[0])[0] if ready else None
+            step = wanted if wanted is not None else (_sort_key(ready[0])[0] if ready else None)
             of_step = {_sort_key(n)[1]: n for n in ready if _sort_key(n)[0] == step}
+            ready = [n for n in ready if _sort_key(n)[0] == step]
             missing = [p for p in producers if p not in of_step]
             if ready and missing and lost is not None:
                 gone = lost(missing)
@@ -270,7 +273,7 @@ class ExperienceBuffer:
                     claim.waited_s = waited
                 return claims
             if waited >= timeout_s:
-                detail = f"step {step} has no shard yet from producer(s) {missing}" if ready else \
+                detail = f"step {step} has no shard yet from producer(s) {missing}" if step is not None else \
                     f"producers {producers}"
                 raise self._no_experience(waited, timeout_s, detail)
             time.sleep(min(poll_s, max(0.0, timeout_s - waited)))

@@ -22,7 +22,7 @@ Why either job can be killed and launched again, alone, without losing or repeat
   generation journal (rft/explorer/journal.py) gives back the samples the killed attempt drew,
   so its task order and data pipeline go on exactly as before.
 - The trainer resumes from its own checkpoint at step d and returns to the pool the shards it
-  took after it (ExperienceBuffer.reopen), which it trains again from the same state: every
+  took after it (ExperienceBuffer.reopen, rft/runtime/task.py), which it trains again from the same state: every
   shard is trained once in the run that goes on, and the weights it publishes again are the ones
   the explorer may already serve.
 A job that waits for the other (no shard, no newer weights) gives up after buffer.wait_timeout_s
@@ -36,7 +36,7 @@ from dataclasses import replace
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from rft.config import RFTConfig, buffer_dir
+from rft.config import RFTConfig
 
 JOB_DIRS = {"explore": "explorer", "train": "trainer"}  # mode -> the job's own sub-directory
 OTHER_JOB = {"explore": "the trainer job (mode=train)", "train": "the explorer job (mode=explore)"}
@@ -62,15 +62,3 @@ def explorer_producers(cfg: RFTConfig) -> list[int]:
     from rft.runtime.topology import Topology
 
     return Topology.of(replace(cfg, mode="explore")).engine_leaders
-
-
-def reopen_after(cfg: RFTConfig, done: int) -> None:
-    """The trainer job, starting at step `done`: the shards it took after that (trained by a
-    killed attempt whose training no checkpoint holds) go back to the pool, to be trained again."""
-    from rft.buffer.shards import ExperienceBuffer
-
-    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
-    reopened = [name for producer in explorer_producers(cfg) for name in buffer.reopen(producer, done)]
-    if reopened:
-        print(f"{len(reopened)} experience shard(s) an earlier attempt took after step {done} are ready again",
-              flush=True)

@@ -31,6 +31,21 @@ def _roll_back_buffer(cfg, topology, resume) -> None:
               f"(steps {resume.done} to {written - 1})", flush=True)
 
 
+def reopen_after(cfg, done: int) -> None:
+    """A decoupled trainer job starting at step `done` (rft/runtime/decoupled.py): the shards it
+    took after that (trained by a killed attempt whose training no checkpoint holds) go back to
+    the pool, to be trained again."""
+    from rft.buffer.shards import ExperienceBuffer
+    from rft.config import buffer_dir
+    from rft.runtime.decoupled import explorer_producers
+
+    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+    reopened = [name for producer in explorer_producers(cfg) for name in buffer.reopen(producer, done)]
+    if reopened:
+        print(f"{len(reopened)} experience shard(s) an earlier attempt took after step {done} are ready again",
+              flush=True)
+
+
 def run_rank(config: dict, master_port: int) -> dict:
     """Entry point pickled by submitit; `config` is the resolved, validated config tree. The rank
     runs in a child process, so a kill by a signal (the OOM killer, kill -9) is reported as such
@@ -199,8 +214,6 @@ def _rank_main(config: dict, master_port: int) -> dict:
             if topology.role == "rollout" and not cfg.sync.decoupled:  # a decoupled explorer keeps its shards
                 _roll_back_buffer(cfg, topology, resume)
         if cfg.sync.decoupled and topology.rank == 0 and topology.role == "trainer":
-            from rft.runtime.decoupled import reopen_after
-
             reopen_after(cfg, resume.done if resume is not None else 0)
         if topology.is_engine_follower:
             return hold_until_finished(topology)

@@ -111,7 +111,7 @@ class ExperienceReader:
         start = time.time()
         payload = [None]
         if self.topology.rank == 0:
-            self.claims = self._claim()
+            self.claims = self._claim(step - 1)  # the explorer's step `step` wrote shard step - 1
             fresh = pa.concat_tables([c.table for c in self.claims])
             tables, scalars = [fresh], {}
             for source in (self.replay, self.review):
@@ -127,13 +127,15 @@ class ExperienceReader:
         waited = self.claims[0].waited_s if self.claims else 0.0
         return StepRows(table, fresh_rows, waited, time.time() - start - waited, scalars)
 
-    def _claim(self) -> list:
-        """The next step's claims. A shard that fails its checksum is quarantined (rft/buffer/shards.py)
-        and waited for: the job's explorer that wrote it writes it again from its copy."""
+    def _claim(self, shard: int) -> list:
+        """The claims of shard step `shard`. A shard that fails its checksum is quarantined
+        (rft/buffer/shards.py) and waited for: the job's explorer that wrote it writes it again
+        from its copy, and the next step's shards, ready meanwhile, wait their turn."""
         while True:
             try:
                 if self.producers:
-                    return self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s, self.lost)
+                    return self.buffer.claim_step(0, self.producers, self.wait_timeout_s, self.poll_s, self.lost,
+                                                  step=shard)
                 return [self.buffer.claim(consumer=0, timeout_s=self.wait_timeout_s, poll_s=self.poll_s)]
             except ShardCorruptError as err:
                 self.corrupt += 1

@@ -165,6 +165,21 @@ def test_a_quarantined_shard_is_written_again_by_its_producer_and_its_step_taken
     assert consumer.consumed() == [f"step0000000{s}-p00{p}.parquet" for s in (2, 3) for p in (1, 2)]
 
 
+def test_a_named_step_waits_for_its_quarantined_shard_while_the_next_steps_is_ready(tmp_path, monkeypatch):
+    """The trainer names the step it trains: the next step's shard, written meanwhile (the explorer
+    runs ahead with sync.offset), waits its turn; taken first, the run would train out of order."""
+    monkeypatch.setenv("RFT_FAULTS", "corrupt_shard@5")  # once per process: another step than the test above
+    producer, consumer = ExperienceBuffer(str(tmp_path)), ExperienceBuffer(str(tmp_path))
+    producer.write(_columns(4, offset=5), step=5, producer=1, version=0)
+    with pytest.raises(ShardCorruptError, match="step00000005-p001"):
+        consumer.claim_step(0, [1], timeout_s=1.0, step=5)
+    producer.write(_columns(4, offset=6), step=6, producer=1, version=0)
+    with pytest.raises(TimeoutError, match="step 5 has no shard yet from producer"):
+        consumer.claim_step(0, [1], timeout_s=0.2, step=5)
+    assert producer.resend_quarantined() == ["step00000005-p001.parquet"]
+    assert [c.name for c in consumer.claim_step(0, [1], timeout_s=1.0, step=5)] == ["step00000005-p001.parquet"]
+
+
 def _write_under_a_file_size_limit(root: str, conn) -> None:
     from rft.runtime import faults
     from rft.runtime.storage import StorageFullError

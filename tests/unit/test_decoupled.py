@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from rft.buffer.shards import ExperienceBuffer
 from rft.config import register_configs
 from rft.config.checks import validate
-from rft.runtime.decoupled import explorer_producers, reopen_after, split_run_dir
+from rft.runtime.decoupled import explorer_producers, split_run_dir
+from rft.runtime.task import reopen_after
 from tests.unit.test_config import CONF, compose_cfg
 
 RL = ("+experiment=quickstart", "cluster=local", "sync.decoupled=true", "buffer.max_staleness=1",

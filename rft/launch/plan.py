@@ -62,9 +62,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
                                      f"calls time out after {cfg.judge.timeout_s:g}s)")
     engine = cfg.sync.engine if cfg.sync.engine != "auto" or not cfg.cluster.colocate else \
         f"checkpoint (colocated) at {cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, 'weights')}"
-    if cfg.mode == "both":
+    if cfg.mode == "both":  # one role alone moves no weights (decoupled jobs: their row above)
         table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s")
-    if cfg.mode == "both":
         table.add_row("schedule", schedule_line(cfg))
     context, stages = context_length(cfg.model), stage_configs(cfg)
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))

@@ -34,6 +34,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
+from rft.config import RFTConfig, buffer_dir
 from rft.runtime import faults
 from rft.runtime.storage import fsync_dir, written_whole_or_not_at_all
 
@@ -99,6 +100,11 @@ class ExperienceBuffer:
         self._manifest: dict[str, dict] = {}  # shard name -> latest manifest entry
         self._manifest_offset = 0  # bytes of manifest.jsonl already parsed
         self._kept: dict[str, tuple[bytes, dict]] = {}  # a producer's shards not yet consumed: bytes, entry
+
+    @classmethod
+    def for_run(cls, cfg: RFTConfig) -> ExperienceBuffer:
+        """The run's buffer: buffer.path (by default <run>/buffer), its format and lease."""
+        return cls(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
 
     # ---- producer side ---------------------------------------------------------------------
 

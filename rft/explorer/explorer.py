@@ -33,7 +33,6 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.config import (
     RFTConfig,
     adapter_sync,
-    buffer_dir,
     needs_rollouts,
     operator_specs,
     vllm_lora_rank,
@@ -185,9 +184,9 @@ class Explorer:
                  judges: JudgeClient | None = None):
         self.cfg, self.topology, self.engines, self.runtime, self.judges = cfg, topology, engines, runtime, judges
         run_dir = cfg.run.output_dir
-        self.buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+        self.buffer = ExperienceBuffer.for_run(cfg)
         runtime.group.meeting.while_waiting = self.resend_quarantined  # the trainer may wait for one
-        self.failed_path = os.path.join(buffer_dir(cfg), "failed.jsonl")
+        self.failed_path = os.path.join(self.buffer.root, "failed.jsonl")
         self.version = runtime.state.track("version", Value(0))  # the weights the engines serve
         for engine in engines:
             engine.version = self.version.value

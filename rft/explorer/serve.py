@@ -22,7 +22,7 @@ import time
 
 from rft.buffer.experience import to_table
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig, buffer_dir
+from rft.config import RFTConfig
 from rft.explorer.dealer import Dealer
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
@@ -40,7 +40,7 @@ def run_server(cfg: RFTConfig, topology: Topology, control: ControlGroup, stop: 
                            name=f"engine {index}", loop=LoopThread())
     stop.install()
     endpoint = serve_endpoint(cfg, engine, Dealer(control.store, index, topology.engine_count, cfg.sync.timeout_s), index)
-    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+    buffer = ExperienceBuffer.for_run(cfg)
     monitor = Monitor(cfg.run.output_dir, f"serve{topology.rank}")
     step = next_step(buffer.root, topology.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}

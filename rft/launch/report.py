@@ -101,15 +101,16 @@ def _read_json(path: str) -> dict | None:
         return None
 
 
-def served_line(run_dir: str, world_size: int) -> str:
-    """mode=serve's result: sessions written and the weights each engine served last."""
+def served_line(run_dir: str, world_size: int, buffer_root: str) -> str:
+    """mode=serve's result: sessions written (into `buffer_root`) and the weights each engine served last."""
     engines = [r for r in (_read_json(rank_summary_path(run_dir, rank)) for rank in range(world_size)) if r]
     return (f"served {sum(e.get('sessions', 0) for e in engines)} rewarded session(s) into "
-            f"{os.path.join(run_dir, 'buffer')}; weights versions served last: {[e.get('version') for e in engines]}")
+            f"{buffer_root}; weights versions served last: {[e.get('version') for e in engines]}")
 
 
-def build_summary(run_dir: str, world_size: int) -> dict:
-    """Eval accuracy at start/end of each stage, time split, skipped rows, reward errors."""
+def build_summary(run_dir: str, world_size: int, buffer_root: str | None = None) -> dict:
+    """Eval accuracy at start/end of each stage, time split, skipped rows, reward errors.
+    `buffer_root`: the run's buffer.path, where failed samples are listed (default <run>/buffer)."""
     ranks = [_read_json(rank_summary_path(run_dir, r)) or {} for r in range(world_size)]
     trainer = next((r for r in ranks if r.get("role") == "trainer"), {})
     rollouts = [r for r in ranks if r.get("role") == "rollout"]  # one per engine
@@ -147,7 +148,7 @@ def build_summary(run_dir: str, world_size: int) -> dict:
             "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
             **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in ("calls", "timeouts", "errors")}}
                if any("judge_calls" in r for r in rollouts) else {}),
-            "failed_path": os.path.join(run_dir, "buffer", "failed.jsonl"),
+            "failed_path": os.path.join(buffer_root or os.path.join(run_dir, "buffer"), "failed.jsonl"),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 
 

@@ -12,7 +12,7 @@ import time
 
 from omegaconf import OmegaConf
 
-from rft.config import RFTConfig, world_size
+from rft.config import RFTConfig, buffer_dir, world_size
 from rft.runtime.run_dir import Owner
 from rft.runtime.topology import Topology
 
@@ -127,14 +127,14 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     if cfg.mode == "serve":
         from rft.launch.report import served_line
 
-        console.print(served_line(cfg.run.output_dir, world))
+        console.print(served_line(cfg.run.output_dir, world, buffer_dir(cfg)))
         return 0
     if cfg.mode == "bench":
         with open(os.path.join(cfg.run.output_dir, "bench.md")) as f:
             console.print(f.read(), soft_wrap=True)
         console.print(f"tables: {cfg.run.output_dir}/bench.csv, bench.md")
         return 0
-    summary = build_summary(cfg.run.output_dir, world)
+    summary = build_summary(cfg.run.output_dir, world, buffer_dir(cfg))  # a decoupled job's buffer is shared
     write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
     print_summary(summary)
     console.print(f"outputs: {cfg.run.output_dir}")

@@ -16,11 +16,10 @@ def _roll_back_buffer(cfg, topology, resume) -> None:
     ExperienceBuffer.roll_back), and return to the pool what it wrote before it but the trainer
     consumed after its own (with sync.offset the explorer saves ahead of the trainer)."""
     from rft.buffer.shards import ExperienceBuffer
-    from rft.config import buffer_dir
     from rft.runtime.checkpoint import requeue_count
 
     written = resume.load(topology.rank)["progress"]["global_step"]  # shards [0, written) are in this checkpoint
-    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+    buffer = ExperienceBuffer.for_run(cfg)
     into = f"rolled_back/resume{requeue_count(cfg.run.output_dir)}-step{written:08d}"
     moved = buffer.roll_back(topology.rank, written, into)
     if moved:
@@ -36,10 +35,9 @@ def reopen_after(cfg, done: int) -> None:
     took after that (trained by a killed attempt whose training no checkpoint holds) go back to
     the pool, to be trained again."""
     from rft.buffer.shards import ExperienceBuffer
-    from rft.config import buffer_dir
     from rft.runtime.decoupled import explorer_producers
 
-    buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+    buffer = ExperienceBuffer.for_run(cfg)
     reopened = [name for producer in explorer_producers(cfg) for name in buffer.reopen(producer, done)]
     if reopened:
         print(f"{len(reopened)} experience shard(s) an earlier attempt took after step {done} are ready again",

@@ -21,7 +21,7 @@ import torch
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
-from rft.config import RFTConfig, adapter_sync, buffer_dir, needs_critic, needs_rollouts, operator_specs, trains_lora
+from rft.config import RFTConfig, adapter_sync, needs_critic, needs_rollouts, operator_specs, trains_lora
 from rft.data.context_fit import ContextFit
 from rft.data.selectors import build_selector
 from rft.data.stage_tasks import read_stage_tasks
@@ -163,7 +163,7 @@ class Learner:
         self.tokenizer = AutoTokenizer.from_pretrained(cfg.model.path)
         tok = self.tokenizer
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        buffer = ExperienceBuffer(buffer_dir(cfg), cfg.buffer.format, cfg.buffer.lease_s)
+        buffer = ExperienceBuffer.for_run(cfg)
         producers = topology.engine_leaders if cfg.mode == "both" else None  # each engine writes a shard per step
         if cfg.sync.decoupled:  # the engines of the explorer job beside this one (rft/runtime/decoupled.py)
             producers = explorer_producers(cfg)

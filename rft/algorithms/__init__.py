@@ -1,5 +1,7 @@
 """The algorithm zoo: registries of advantage estimators, policy losses, KL estimators, loss
-aggregations and sample filters (one module each); `registries()` maps AlgorithmConfig keys to them."""
+aggregations and sample filters (one module each); `registries()` maps AlgorithmConfig keys to them.
+Modules that add built-ins to a registry beyond its own module's are imported at the end, so every
+user of a registry sees them."""
 
 from __future__ import annotations
 
@@ -16,3 +18,8 @@ def registries() -> dict[str, Registry]:
 
     return {"advantage": ADVANTAGES, "policy_loss": POLICY_LOSSES, "kl_estimator": KL_ESTIMATORS,
             "loss_agg": AGGREGATIONS, "sample_filter": SAMPLE_FILTERS}
+
+
+# the off-policy REINFORCE family registers rec, topr, sppo, sapo, reinforce in POLICY_LOSSES and
+# asymre, reinforce in ADVANTAGES (it imports the registries' modules, not the reverse)
+from rft.algorithms import offpolicy  # noqa: E402,F401

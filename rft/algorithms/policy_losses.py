@@ -1,4 +1,6 @@
 """Policy losses: per-token losses from current/old logprobs and advantages, plus DPO and TIS.
+More built-ins register into POLICY_LOSSES from `offpolicy.py` (rec, topr, sppo, sapo, reinforce),
+which the package imports.
 
 Registry POLICY_LOSSES, signature
 

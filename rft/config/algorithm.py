@@ -15,8 +15,8 @@ class AlgorithmConfig:
     dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
 
     name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) (rft/algorithms/advantages.py)
-    policy_loss: str = "ppo"  # ppo | gspo | cispo | sft | dpo (rft/algorithms/policy_losses.py); sft, dpo: no rollouts
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) | asymre | reinforce (rft/algorithms/)
+    policy_loss: str = "ppo"  # ppo | gspo | cispo | rec | topr | sppo | sapo | reinforce | sft | dpo (rft/algorithms/); sft, dpo: no rollouts
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
     sample_filter: str = "none"  # none | zero_variance (DAPO dynamic sampling; the explorer refills)
@@ -25,6 +25,16 @@ class AlgorithmConfig:
     clip_eps_high: Optional[float] = None  # upper side (DAPO clip-higher); None: clip_eps
     dual_clip_c: Optional[float] = None  # dual-clip bound for negative advantages (e.g. 3.0); None: off
     cispo_clip_high: float = 0.28  # CISPO: IS weight capped at 1 + this
+    rec_clip: str = "one-side"  # rec: which tokens keep a gradient: one-side | two-side | ring | none (plain REINFORCE)
+    rec_importance_sampling: bool = False  # rec: weight each token by sg(pi / pi_old) (the REC-*-IS variants)
+    rec_ring_eps_low: float = 0.6  # rec_clip=ring: A > 0 tokens with ratio <= 1 - this keep their gradient too
+    rec_ring_eps_high: float = 2.0  # rec_clip=ring: A < 0 tokens with ratio >= 1 + this keep their gradient too
+    topr_ratio: str = "sequence"  # topr: negatives weighted by min(pi / mu, 1) of the response (sequence) or token
+    sppo_eps: float = 0.3  # sppo: tokens keep their gradient while 1 / (1 + this) <= ratio <= 1 + this
+    sapo_tau_pos: float = 1.0  # sapo: soft-gate temperature for A > 0 (larger: the gate closes sooner off-policy)
+    sapo_tau_neg: float = 1.05  # sapo: soft-gate temperature for A <= 0 (the paper keeps it above sapo_tau_pos)
+    asymre_baseline_shift: float = -0.1  # advantage=asymre: baseline = group mean + this (< 0: positives weigh more)
+    reinforce_baseline: float = 0.0  # advantage=reinforce: A = reward - this constant (topr preset: 0.5)
     tis_cap: Optional[float] = None  # truncated IS between trainer and vLLM logprobs (e.g. 2.0); None: off
     norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
     gamma: float = 1.0  # discount (reinforce_pp, gae)

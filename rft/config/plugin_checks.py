@@ -70,6 +70,27 @@ def check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
     if algo.policy_loss == "dpo" and (algo.ppo_epochs > 1 or algo.mini_batch_size):
         config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs,
                      "DPO takes one optimizer step per batch of pairs: leave ppo_epochs=1 and mini_batch_size=0")
+    _check_offpolicy(prefix, algo)
+
+
+def _check_offpolicy(prefix: str, algo: AlgorithmConfig) -> None:
+    """The off-policy family's options (rft/algorithms/offpolicy.py) are in range, and the
+    advantage estimator gets the data its registry entry says it needs."""
+    from rft.algorithms import registries
+    from rft.algorithms.offpolicy import option_problem
+
+    problem = option_problem(algo)
+    if problem is not None:
+        config_error(f"{prefix}algorithm.{problem[0]}", problem[1], problem[2])
+    advantages = registries()["advantage"]
+    meta = advantages.meta(advantages.resolve(algo.advantage))
+    if meta.get("needs_group") and algo.group_size < 2:
+        config_error(f"{prefix}algorithm.group_size", algo.group_size,
+                     f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")
+    if meta.get("per_response") and algo.kl_mode == "reward" and algo.kl_coef > 0:
+        config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode,
+                     f"advantage {algo.advantage} scores whole responses; a per-token KL reward needs "
+                     "advantage=reinforce_pp or gae (or kl_mode=loss)")
 
 
 def check_env_tasks(prefix: str, stage: RFTConfig) -> None:

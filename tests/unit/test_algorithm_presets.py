@@ -60,6 +60,9 @@ def test_a_dotted_path_registers_the_users_function(tmp_path):
     ("algorithm.value_clip=-0.1", "algorithm.value_clip=-0.1"),
     ("algorithm.advantage=gae", None),  # PPO's critic exists: GAE trains one
     ("algorithm.kl_mode=reward", None),  # kl_coef 0: no penalty, nothing to refuse
+    ("algorithm.rec_clip=both", "algorithm.rec_clip='both' is invalid: use one of none, one-side, two-side, ring"),
+    ("algorithm.sapo_tau_neg=-1.05", "algorithm.sapo_tau_neg=-1.05 is invalid: use a positive temperature"),
+    ("algorithm.topr_ratio=response", "algorithm.topr_ratio='response' is invalid: use one of sequence, token"),
 ])
 def test_bad_algorithm_keys_fail_at_launch_naming_the_key(tmp_path, override, message):
     cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", override)
@@ -67,6 +70,22 @@ def test_bad_algorithm_keys_fail_at_launch_naming_the_key(tmp_path, override, me
         validate(cfg)
         return
     with pytest.raises(ValueError, match=message.replace(".", r"\.").replace("(", r"\(")):
+        validate(cfg)
+
+
+@pytest.mark.parametrize("preset, overrides, message", [
+    ("asymre", ["algorithm.group_size=1"], "algorithm.group_size=1 is invalid: advantage asymre compares samples"),
+    ("topr", ["algorithm.group_size=1"], None),  # a constant baseline needs no group
+    ("topr", ["algorithm.kl_mode=reward", "algorithm.kl_coef=0.1"],
+     "algorithm.kl_mode='reward' is invalid: advantage reinforce scores whole responses"),
+])
+def test_the_off_policy_advantages_get_the_data_they_need(tmp_path, preset, overrides, message):
+    """What their registry entries declare (needs_group, per_response) is checked at launch."""
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", f"algorithm={preset}", *overrides)
+    if message is None:
+        validate(cfg)
+        return
+    with pytest.raises(ValueError, match=message):
         validate(cfg)
 
 

@@ -24,6 +24,7 @@ from rft.config.derived import (
                              adapter_sync,
                              buffer_dir,
                              generated_data,
+                             judge_model,
                              judge_span,
                              needs_critic,
                              needs_rollouts,
@@ -47,6 +48,6 @@ __all__ = [
     "LoRAConfig", "ModelConfig", "MonitorConfig", "RFTConfig", "ReplayConfig", "RolloutConfig", "RunConfig",
     "SelectorConfig", "ServeConfig", "StageConfig", "SyncConfig", "TinyModelConfig", "TrainerConfig",
     "adapter_sync", "buffer_dir", "config_error", "context_length", "field_doc", "generated_data", "hf_config_json",
-    "judge_span", "needs_critic", "needs_rollouts", "operator_specs", "register_configs", "stage_configs",
+    "judge_model", "judge_span", "needs_critic", "needs_rollouts", "operator_specs", "register_configs", "stage_configs",
     "sync_engine", "trains_lora", "vllm_lora_rank", "wire_dtype", "world_size",
 ]

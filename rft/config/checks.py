@@ -19,6 +19,7 @@ from rft.config import plugin_checks
 from rft.config.derived import (
     VLLM_LORA_RANKS,
     generated_data,
+    judge_model,
     judge_span,
     needs_rollouts,
     stage_configs,
@@ -161,16 +162,43 @@ def _check_judge(cfg: RFTConfig) -> None:
     if cfg.judge.max_new_tokens < 1:
         config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
     for name, stage in stage_configs(cfg):
-        kind = {"llm_judge": "generate", "reward_model": "classify"}.get(stage.algorithm.reward)
+        kind = {"llm_judge": "generate", "relative_judge": "generate",
+                "reward_model": "classify"}.get(stage.algorithm.reward)
         key = f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward"
         if kind and not judges:
             config_error(key, stage.algorithm.reward, f"asks a judge engine: add cluster.judge_ranks=1 and "
                          f"judge.kind={kind} (judge.model=<HF model directory>; default: the policy's starting weights)")
         if kind and cfg.judge.kind != kind:
             config_error(key, stage.algorithm.reward, f"needs judge.kind={kind} (judge.kind={cfg.judge.kind})")
+        if stage.algorithm.reward == "relative_judge":
+            _check_relative_judge(cfg)
     if judges and cfg.judge.model is not None and not os.path.isfile(os.path.join(cfg.judge.model, "config.json")):
         config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
                      "or leave it unset to judge with the policy's starting weights (model.path)")
+
+
+def _check_relative_judge(cfg: RFTConfig) -> None:
+    """The keys relative_judge reads (rft/explorer/relative_judge.py)."""
+    from rft.explorer.relative_judge import looks_like_path
+
+    judge = cfg.judge
+    if judge.rubric is not None and not judge.rubric.strip():
+        config_error("judge.rubric", judge.rubric, "give the grading standards as text or a text file's path, "
+                     "or null for the built-in rubric")
+    if judge.rubric and looks_like_path(judge.rubric) and not os.path.isfile(judge.rubric):
+        config_error("judge.rubric", judge.rubric, "no such file: give the path of a text file holding the rubric "
+                     "(on a filesystem every node sees), or the rubric's text itself")
+    if judge.relative_max_new_tokens < 1:
+        config_error("judge.relative_max_new_tokens", judge.relative_max_new_tokens, "use 1 or more")
+    context = context_length(judge_model(cfg))
+    if judge.relative_max_new_tokens >= context:
+        config_error("judge.relative_max_new_tokens", judge.relative_max_new_tokens,
+                     f"the judge's context holds {context} tokens, prompt and answer together (the group's answers, "
+                     f"a rubric and a score per answer): use fewer, or a judge.model with a longer context")
+    if judge.chat_template and judge.model is None and not cfg.model.chat_template:
+        config_error("judge.chat_template", judge.chat_template, "the judge is the policy's model (judge.model unset), "
+                     "which has no chat template (model.chat_template=false): set judge.chat_template=false (a "
+                     "plain prompt) or judge.model=<an instruct model's HF directory>")
 
 
 def _check_engine_failure(cfg: RFTConfig) -> None:

@@ -4,10 +4,12 @@ needs (rollouts, a critic), the weight-sync engine and dtype, vLLM's LoRA rank."
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 from omegaconf import OmegaConf
 
 from rft.config.cluster import SyncConfig
+from rft.config.model import ModelConfig
 from rft.config.run import RFTConfig
 
 
@@ -82,6 +84,15 @@ def world_size(cfg: RFTConfig) -> int:
 def judge_span(cfg: RFTConfig) -> int:
     """Tasks one judge engine spans: its TP size on GPU nodes (a task per GPU), else 1."""
     return cfg.judge.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
+
+
+def judge_model(cfg: RFTConfig) -> ModelConfig:
+    """The model the judge engines serve: judge.model, or the policy's starting weights. Another
+    model's shape is its own config.json's: model.tiny describes the policy (its 64 positions held
+    any judge.model of the quickstart to 64 tokens)."""
+    if cfg.judge.model is None:
+        return cfg.model
+    return replace(cfg.model, path=cfg.judge.model, tiny=None)
 
 
 def sync_engine(sync: SyncConfig, on_gpu: bool, colocated: bool = False) -> str:

@@ -131,6 +131,9 @@ def check_rollout_plugins(prefix: str, stage: RFTConfig) -> None:
             registry.resolve(value)
         except ValueError as err:
             config_error(key, value, str(err))
+    if algo.reward is not None and REWARDS.variant(REWARDS.resolve(algo.reward)) == "group" and algo.group_size < 2:
+        config_error(f"{prefix}algorithm.group_size", algo.group_size, f"reward {algo.reward} ranks a task's samples "
+                     "against each other (its form is fn(group, task)): use 2 or more samples per task")
     if WORKFLOWS.meta(WORKFLOWS.resolve(rollout.workflow)).get("needs_env"):
         if rollout.env is None:
             config_error(f"{prefix}rollout.env", None, f"rollout.workflow={rollout.workflow} plays an environment: "

@@ -48,6 +48,9 @@ class JudgeConfig:
     kv_cache_gb: float = 1.0  # KV cache memory of each judge engine (CPU: GiB of RAM)
     gpu_memory_utilization: float = 0.85  # share of GPU memory a judge engine may use (GPU only)
     max_num_seqs: int = 256  # vLLM scheduler batch limit: concurrent judge calls are batched up to this
+    rubric: Optional[str] = None  # relative_judge: the grading standards, as text or the path of a text file (None: the built-in rubric)
+    relative_max_new_tokens: int = 1024  # relative_judge: length of the judge's answer (a score and an explanation per answer of the group)
+    chat_template: bool = True  # relative_judge asks through the judge model's chat template (judge.chat); false: one plain-text prompt (judge.complete)
 
 
 @dataclass

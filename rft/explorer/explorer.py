@@ -86,7 +86,8 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
     # startup overlaps the trainer's first steps
     runtime.progress.add(startup_s=time.time() - started, rollout_s=0.0, buffer_s=0.0, sync_wait_s=0.0, eval_s=0.0,
                          reward_errors=0, failed_samples=0, eval_samples=0,
-                         **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0} if judges else {}))
+                         **({"judge_calls": 0, "judge_timeouts": 0, "judge_errors": 0, "judge_parse_failures": 0}
+                            if judges else {}))
     explorer = Explorer(cfg, topology, engines, runtime, judges)
     free = FreeRunning(cfg, topology, runtime, explorer)
     follower = WeightFollower(cfg, explorer) if cfg.sync.decoupled else None  # the trainer job's weights
@@ -399,11 +400,12 @@ class Explorer:
         return outcome
 
     def _judge_scalars(self) -> dict[str, float]:
-        """judge/calls, timeouts, errors, latency since the last call; added to the run's totals."""
+        """judge/calls, timeouts, errors, latency, parse failures since the last call; added to the run's totals."""
         if self.judges is None:
             return {}
         counts = self.judges.take_counts()
-        self.runtime.progress.add(judge_calls=counts.calls, judge_timeouts=counts.timeouts, judge_errors=counts.errors)
+        self.runtime.progress.add(judge_calls=counts.calls, judge_timeouts=counts.timeouts, judge_errors=counts.errors,
+                                  judge_parse_failures=counts.parse_failures)
         return counts.scalars()
 
     def hand_over(self, versions: list[int]) -> None:

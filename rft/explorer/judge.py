@@ -47,11 +47,13 @@ class JudgeCounts:
     timeouts: int = 0
     errors: int = 0
     seconds: float = 0.0  # summed over finished calls
+    parse_failures: int = 0  # answers a reward could not read in full (relative_judge: rft/explorer/relative_judge.py)
 
     def scalars(self) -> dict[str, float]:
         done = self.calls - self.timeouts - self.errors
         return {"judge/calls": float(self.calls), "judge/timeouts": float(self.timeouts),
-                "judge/errors": float(self.errors), "judge/latency_s": self.seconds / done if done else 0.0}
+                "judge/errors": float(self.errors), "judge/latency_s": self.seconds / done if done else 0.0,
+                "judge/parse_failures": float(self.parse_failures)}
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import secrets
 import time
 from dataclasses import replace
 
-from rft.config import RFTConfig, RolloutConfig, context_length
+from rft.config import RFTConfig, RolloutConfig, context_length, judge_model
 from rft.explorer.judge import JudgeEndpoint
 from rft.runtime.preemption import control_store
 from rft.runtime.rendezvous import host_address
@@ -40,7 +40,7 @@ def run_judge(cfg: RFTConfig, topology: Topology, poll_s: float = 2.0) -> dict:
     index = topology.judge_index
     if cfg.cluster.gpus_per_node:
         os.environ["CUDA_VISIBLE_DEVICES"] = engine_devices(cfg.cluster, topology.judge_span)
-    model = replace(cfg.model, path=cfg.judge.model or cfg.model.path)
+    model = judge_model(cfg)
     runner = "pooling" if cfg.judge.kind == "classify" else "generate"  # a reward model scores, never samples
     engine = RolloutEngine(model, judge_rollout_config(cfg), cfg.seed, context_length(model), name=f"judge {index}",
                            runner=runner)

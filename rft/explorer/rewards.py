@@ -6,11 +6,17 @@ Registry REWARDS; a reward sees the whole trajectory (an experience record: its 
 
     fn(trajectory: Experience, task: Task) -> float                  one at a time
     fn(trajectories: list[Experience], tasks: list[Task]) -> list    batch form
+    fn(group: list[Experience], task: Task) -> list                   group form: all samples of one task
     async def fn(trajectory, task) -> float                           async form (e.g. asking a judge engine)
 
-`algorithm.reward` takes a built-in name (`exact_match`, `math_verify`) or a dotted path to your
-own function; its signature is checked at launch. Workflows whose environment gives the reward
-(grid_world) leave this unused.
+A group reward scores a task's samples relative to each other (relative_judge): the runner calls it
+once per task, after every sample of the task came back (a sample that failed every try is left
+out; a trajectory of several experiences, step_wise, is one member: its last one, whose score its
+steps share). Any form may be `async def`; the form is told by the parameter names.
+
+`algorithm.reward` takes a built-in name (`exact_match`, `math_verify`, `llm_judge`, `relative_judge`,
+`reward_model`) or a dotted path to your own function; its signature is checked at launch.
+Workflows whose environment gives the reward (grid_world) leave this unused.
 
 `RewardScorer` runs a reward with a time limit per sample (`rollout.reward_timeout_s`; a batch
 call gets that per sample): a sample whose reward raises or runs too long scores 0.0, is counted,
@@ -53,8 +59,8 @@ if TYPE_CHECKING:
     from rft.buffer.experience import Experience
     from rft.data.taskset import Task
 
-REWARDS = Registry("reward", params=("trajectory", "task"), variants={"batch": ("trajectories", "tasks")},
-                   returns="float")
+REWARDS = Registry("reward", params=("trajectory", "task"),
+                   variants={"batch": ("trajectories", "tasks"), "group": ("group", "task")}, returns="float")
 
 logger = logging.getLogger(__name__)
 
@@ -155,6 +161,17 @@ async def reward_model(trajectory: Experience, task: Task) -> float:
     from rft.explorer.judge import judge
 
     return (await judge.score([(task.prompt or "") + trajectory.response]))[0]
+
+
+@REWARDS.register("relative_judge")
+async def relative_judge(group: list[Experience], task: Task) -> list[float]:
+    """RULER-style relative judging: the group's answers to the task go to the judge engine in one
+    prompt with a rubric (judge.rubric), one score in [0, 1] per answer comes back; a reply that
+    does not parse, a timeout or an error score the group's mean, counted (rft/explorer/relative_judge.py)."""
+    from rft.explorer.judge import judge
+    from rft.explorer.relative_judge import judge_group
+
+    return await judge_group(group, task, judge)
 
 
 class _DropTimeoutDisabledWarning(logging.Filter):
@@ -297,7 +314,7 @@ class RewardScorer:
     on every sample does not flood the log. Plain rewards run in a forked child process (see the
     module docstring): on a timeout the child is killed, so a reward that never returns, even one
     stuck in C code, cannot hang `score`; the next call gets a freshly forked child. A batch
-    reward that fails scores its whole batch 0.0. Safe to call from any thread; calls are
+    reward that fails scores its whole batch 0.0 (a group reward: its group). Safe to call from any thread; calls are
     serialised. Call `close()` (or use `with`) when done.
     """
 
@@ -311,7 +328,9 @@ class RewardScorer:
                 f"seconds, e.g. 10"
             )
         self.name = spec if isinstance(spec, str) else getattr(spec, "__qualname__", repr(spec))
-        self.batch = REWARDS.variant(self.fn) == "batch"
+        # a group reward is called as a batch is, one reward per sample back, with the group's one task
+        self.group = REWARDS.variant(self.fn) == "group"
+        self.batch = self.group or REWARDS.variant(self.fn) == "batch"
         self.is_async = inspect.iscoroutinefunction(self.fn)
         self.timeout_s = float(timeout_s)
         self.errors = 0
@@ -321,13 +340,13 @@ class RewardScorer:
         self._lock = threading.Lock()
 
     def score(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
-        """One reward per (trajectory, task) pair, in order."""
+        """One reward per (trajectory, task) pair, in order (a group reward: one task's samples)."""
         self._check(trajectories, tasks)
         if self.is_async:
             return asyncio.run(self.score_async(trajectories, tasks))
         with self._lock:
             if self.batch:
-                return self._call((list(trajectories), list(tasks)), len(trajectories)) if trajectories else []
+                return self._call(self._batch_args(trajectories, tasks), len(trajectories)) if trajectories else []
             return [self._call((t, task), 1)[0] for t, task in zip(trajectories, tasks)]
 
     async def score_async(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
@@ -337,17 +356,24 @@ class RewardScorer:
         if not self.is_async:
             return await asyncio.to_thread(self.score, trajectories, tasks)
         if self.batch:
-            return await self._await(self.fn(list(trajectories), list(tasks)), len(trajectories))
+            if not trajectories:
+                return []
+            return await self._await(self.fn(*self._batch_args(trajectories, tasks)), len(trajectories))
         return [v for vs in await asyncio.gather(*(self._await(self.fn(t, task), 1)
                                                    for t, task in zip(trajectories, tasks))) for v in vs]
 
-    @staticmethod
-    def _check(trajectories: list, tasks: list) -> None:
+    def _check(self, trajectories: list, tasks: list) -> None:
         if len(trajectories) != len(tasks):
             raise ValueError(
                 f"score() got {len(trajectories)} trajectories but {len(tasks)} tasks; pass one "
                 f"task per trajectory (repeat a task for each sample of its group)"
             )
+        if self.group and len({task.task_id for task in tasks}) > 1:
+            raise ValueError(f"reward {self.name!r} scores one group at a time (its form is fn(group, task)), but "
+                             f"score() got the samples of {len({t.task_id for t in tasks})} tasks; call it per task")
+
+    def _batch_args(self, trajectories: list[Experience], tasks: list[Task]) -> tuple:
+        return (list(trajectories), tasks[0]) if self.group else (list(trajectories), list(tasks))
 
     async def _await(self, pending: Any, n: int) -> list[float]:
         try:

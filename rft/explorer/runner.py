@@ -6,6 +6,7 @@ retried when it fails, scored, and accounted for.
             experiences = await workflow(task, model, ctx) within rollout.task_timeout_s
             if it returned: score what has no reward (algorithm.reward); done
         after the last try: <run>/buffer/failed.jsonl gets the task, the error and its traceback
+    a group reward (relative_judge): scores the task's samples together once all are back
 
 A workflow waiting on a tool or an environment holds only its own slot; the engine serves the
 others meanwhile. A failed sample leaves its group one short (groups may be ragged); a task whose
@@ -111,7 +112,10 @@ class WorkflowRunner:
                 runs = [self._call(tasks[i], f"{group_prefix}:{i}", first, count, sampling,
                                    sample_seed(*seed_key, i, first), evaluation, slots, outcome)
                         for first, count in calls]
-                done.append((i, [e for experiences in await asyncio.gather(*runs) for e in experiences]))
+                group = [e for experiences in await asyncio.gather(*runs) for e in experiences]
+                if self.scorer.group:
+                    await self._score_group(group, tasks[i])
+                done.append((i, group))
                 outcome.samples += samples
 
         await asyncio.gather(*(take_tasks() for _ in range(min(deal.window, len(tasks)))))
@@ -144,7 +148,8 @@ class WorkflowRunner:
             except Exception as exc:  # the workflow's, its environment's or its tool's failure
                 error, trace = f"{type(exc).__name__}: {exc}", traceback.format_exc()
             else:
-                await self._score(experiences, task, count)
+                if not self.scorer.group:  # a group reward waits for the task's other samples (_score_group)
+                    await self._score(experiences, task, count)
                 for index, exp in enumerate(experiences):
                     sample = first + (index if count > 1 else 0)
                     exp.group_id, exp.trajectory_id = group_id, f"{group_id}:{sample}"
@@ -185,6 +190,17 @@ class WorkflowRunner:
         (reward,) = await self.scorer.score_async([unscored[-1]], [task])
         for exp in unscored:
             exp.reward = reward
+
+    async def _score_group(self, experiences: list[Experience], task: Task) -> None:
+        """A group reward for the unscored samples of one task, in one call: a member per
+        trajectory, its last experience (step_wise: the others share its score, as in _score)."""
+        ends = {e.trajectory_id: e for e in experiences if e.reward is None}  # the last of each wins
+        if not ends:
+            return
+        rewards = dict(zip(ends, await self.scorer.score_async(list(ends.values()), [task] * len(ends))))
+        for exp in experiences:
+            if exp.reward is None:
+                exp.reward = rewards[exp.trajectory_id]
 
     def _record_failure(self, task: Task, group_id: str, first: int, count: int, tries: int, error: str,
                         trace: str, evaluation: bool) -> None:

@@ -146,11 +146,14 @@ def build_summary(run_dir: str, world_size: int, buffer_root: str | None = None)
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
             "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
-            **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in ("calls", "timeouts", "errors")}}
+            **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in _JUDGE_COUNTS}}
                if any("judge_calls" in r for r in rollouts) else {}),
             "failed_path": os.path.join(buffer_root or os.path.join(run_dir, "buffer"), "failed.jsonl"),
             "stale": {"dropped": trainer.get("stale_dropped", 0), "reweighted": trainer.get("stale_reweighted", 0)}}
 
+
+# the judge's counts, summed over the engines (rft/explorer/judge.py)
+_JUDGE_COUNTS = ("calls", "timeouts", "errors", "parse_failures")
 
 # eval metrics the summary leaves out: counts of what went wrong are reported on their own
 _BOOKKEEPING = ("failed_samples", "retries", "timeouts", "reward_errors")
@@ -224,6 +227,8 @@ def print_summary(summary: dict) -> None:
     if judge:
         late = f"; [yellow]{judge['timeouts']} timed out, {judge['errors']} failed[/yellow]" \
             if judge["timeouts"] or judge["errors"] else ""
+        if judge.get("parse_failures"):  # relative_judge's replies it could not read in full
+            late += f"; [yellow]{judge['parse_failures']} unparsed[/yellow]"
         console.print(f"judge calls: {judge['calls']}{late}")
     if summary.get("failed_samples"):
         console.print(f"[yellow]{summary['failed_samples']} workflow samples failed every try (rollout.max_retries); "

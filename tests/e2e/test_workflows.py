@@ -114,6 +114,35 @@ def test_user_workflow_and_reward_by_dotted_path(engine, tmp_path):
         assert 0 < sum(exp.loss_mask) < len(exp.token_ids) - exp.prompt_length
 
 
+def counts_its_group(group, task):
+    """A user group reward: it must get every trajectory of its task, each once, and nothing else."""
+    if any(e.task_id != task.task_id for e in group) or len({e.trajectory_id for e in group}) != len(group):
+        raise ValueError(f"not one task's group: {[(e.task_id, e.trajectory_id) for e in group]}")
+    return [len(group) + task.index / 100] * len(group)
+
+
+async def two_steps(task, model, ctx):
+    """A per-sample workflow returning two unscored experiences of one trajectory (as step_wise does)."""
+    convo = model.conversation([{"role": "user", "content": task.prompt}])
+    await convo.reply(max_new_tokens=1)
+    first = convo.experience()
+    convo.add({"role": "user", "content": "again="})
+    await convo.reply(max_new_tokens=1)
+    return [first, convo.experience()]
+
+
+@pytest.mark.parametrize("workflow", ["single_turn", f"{HERE}.two_steps"])
+def test_a_group_reward_scores_each_tasks_samples_together(engine, tmp_path, workflow):
+    """Per-task (single_turn: one call for the group) or per-sample (a trajectory of several
+    experiences is one member, its steps share its score), a group reward sees one task's group."""
+    outcome = run(engine, tmp_path, ARITHMETIC, samples=3, reward=f"{HERE}.counts_its_group", workflow=workflow)
+    assert outcome.failed == 0 and outcome.reward_errors == 0
+    assert len({e.trajectory_id for e in outcome.experiences}) == 3 * len(ARITHMETIC)
+    assert len(outcome.experiences) == 3 * len(ARITHMETIC) * (1 if workflow == "single_turn" else 2)
+    for exp in outcome.experiences:
+        assert exp.reward == pytest.approx(3 + ARITHMETIC[int(exp.group_id.rsplit(":", 1)[1])].index / 100)
+
+
 # --- many in flight ------------------------------------------------------------------------
 
 async def waits_on_a_tool(task, model, ctx):

@@ -23,3 +23,5 @@ def registries() -> dict[str, Registry]:
 # the off-policy REINFORCE family registers rec, topr, sppo, sapo, reinforce in POLICY_LOSSES and
 # asymre, reinforce in ADVANTAGES (it imports the registries' modules, not the reverse)
 from rft.algorithms import offpolicy  # noqa: E402,F401
+# on-policy distillation registers on_policy_distill and jsd in ADVANTAGES (needs_teacher=True)
+from rft.algorithms import distillation  # noqa: E402,F401

@@ -48,6 +48,10 @@ class AdvantageInputs:
     values: [B, T] critic values, or None (needed by "gae").
     token_rewards: [B, T] per-token reward shaping (e.g. `kl.kl_penalty_rewards`), or None; added
         to the sequence reward, which sits on each response's last valid token.
+    old_logprobs, teacher_logprobs: [B, T] the student's sampling logprobs and a frozen teacher's,
+        and teacher_scored: [B] 1 where the teacher scored the row, 0 where it did not answer.
+        Filled for estimators registered with `needs_teacher=True` (rft/algorithms/distillation.py),
+        else None.
     """
 
     rewards: torch.Tensor
@@ -55,6 +59,9 @@ class AdvantageInputs:
     mask: torch.Tensor
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    old_logprobs: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
+    teacher_scored: torch.Tensor | None = None
 
 
 @dataclass

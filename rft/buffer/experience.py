@@ -21,6 +21,10 @@ the trainer reads them back (`from_table`) into its batches, and the algorithms 
                    sampled none): a weight update may cut a generation that then goes on with
                    newer weights (rollout.partial_rollout); null where the workflow recorded
                    none, and in older shards: every sampled token is then `version`'s
+    teacher_logprobs optional, on-policy distillation: a frozen teacher's logprob of each token given
+                   the tokens before it (0.0 at position 0; what matters is the sampled tokens'), as
+                   the judge engine scored the row (rft/explorer/teacher.py); null where it was
+                   not asked or did not answer
 
 Why rows are whole trajectories with a mask rather than (prompt, response) pairs: a multi-turn
 conversation interleaves sampled and non-sampled tokens, and the trainer must score exactly the
@@ -43,7 +47,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SCHEMA_VERSION = 1
-OPTIONAL_COLUMNS = ("routed_experts", "token_versions")  # added within version 1: a shard without them reads as None
+OPTIONAL_COLUMNS = ("routed_experts", "token_versions", "teacher_logprobs")  # added within version 1: a shard without them reads as None
 _VERSION_KEY = b"rft.experience_schema"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32: larger ones become inf
 
@@ -68,6 +72,7 @@ SCHEMA = pa.schema([
     pa.field("routed_experts", pa.struct([("layers", pa.int32()), ("topk", pa.int32()),
                                           ("ids", pa.list_(pa.uint16()))])),
     pa.field("token_versions", pa.list_(pa.int64())),
+    pa.field("teacher_logprobs", pa.list_(pa.float32())),
 ], metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
@@ -95,15 +100,17 @@ class Experience:
     response: str = ""  # the text the reward function reads (last model turn, or an env's answer)
     routed_experts: np.ndarray | None = None  # [tokens, layers, k]: vLLM's routing, to replay
     token_versions: list[int] | None = None  # each token's sampling weights (-1: not sampled); None: all `version`'s
+    teacher_logprobs: list[float] | None = None  # a frozen teacher's logprob per token (distillation); None: not scored
 
     def check(self) -> None:
         """ValueError naming what is inconsistent (a workflow's bug, caught before the buffer)."""
         n = len(self.token_ids)
-        if len(self.loss_mask) != n or len(self.logprobs) != n or \
-                (self.token_versions is not None and len(self.token_versions) != n):
-            versions = "" if self.token_versions is None else f", token_versions ({len(self.token_versions)})"
+        optional = {name: len(getattr(self, name)) for name in ("token_versions", "teacher_logprobs")
+                    if getattr(self, name) is not None}
+        if len(self.loss_mask) != n or len(self.logprobs) != n or any(length != n for length in optional.values()):
+            others = "".join(f", {name} ({length})" for name, length in optional.items())
             raise ValueError(f"experience {self.trajectory_id or '?'}: token_ids ({n}), loss_mask "
-                             f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}){versions} differ in length")
+                             f"({len(self.loss_mask)}), logprobs ({len(self.logprobs)}){others} differ in length")
         if not 0 <= self.prompt_length <= n:
             raise ValueError(f"experience {self.trajectory_id or '?'}: prompt_length {self.prompt_length} "
                              f"outside [0, {n}]")
@@ -191,11 +198,12 @@ def from_table(table: pa.Table) -> list[Experience]:
     names = [f.name for f in fields(Experience) if f.name not in OPTIONAL_COLUMNS]
     rows = table.select(names).to_pylist()
     routes = _routed_experts(table)
-    versions = table.column("token_versions").to_pylist() if "token_versions" in table.column_names \
-        else [None] * table.num_rows
-    for row, routed, token_versions in zip(rows, routes, versions):
+    versions, teacher = (table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
+                         for name in ("token_versions", "teacher_logprobs"))
+    for row, routed, token_versions, teacher_logprobs in zip(rows, routes, versions, teacher):
         row["metrics"] = json.loads(row["metrics"])
         row["routed_experts"], row["token_versions"] = routed, token_versions
+        row["teacher_logprobs"] = teacher_logprobs
     return [Experience(**row) for row in rows]
 
 

@@ -15,7 +15,7 @@ class AlgorithmConfig:
     dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
 
     name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) | asymre | reinforce (rft/algorithms/)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) | asymre | reinforce | on_policy_distill, jsd (a teacher: judge.model) (rft/algorithms/)
     policy_loss: str = "ppo"  # ppo | gspo | cispo | rec | topr | sppo | sapo | reinforce | sft | dpo (rft/algorithms/); sft, dpo: no rollouts
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
@@ -41,6 +41,14 @@ class AlgorithmConfig:
     lam: float = 1.0  # GAE lambda
     critic_lr: float = 1e-5  # gae: AdamW learning rate of the critic (value model, rft/trainer/critic.py)
     value_clip: Optional[float] = 0.2  # gae: the critic's values move at most this far from V_old per step; None: off
+    expert_rows: int = 0  # CHORD: expert demonstrations (data.expert_path, else the taskset's answers) mixed into each RL step (0: none)
+    chord_mu_peak: float = 0.1  # CHORD: the expert (SFT) part's share of the loss at its peak
+    chord_mu_valley: float = 0.1  # CHORD: its share after the decay
+    chord_mu_warmup_steps: int = 0  # CHORD: steps of linear warm-up from 0 to chord_mu_peak
+    chord_mu_decay_steps: int = 0  # CHORD: steps of cosine decay from chord_mu_peak to chord_mu_valley (0: constant peak)
+    chord_phi: bool = True  # CHORD-phi: weight each expert token's NLL by p (1 - p), p the policy's probability of it
+    distill_coef: float = 1.0  # on_policy_distill, jsd: advantage = -this x the per-token divergence to the teacher (judge.model)
+    jsd_beta: float = 0.5  # jsd: the teacher's weight in the mixture m = beta * teacher + (1 - beta) * student (0.5: symmetric JSD)
     kl_coef: float = 0.0  # weight of the KL to a frozen reference model (0: no reference)
     kl_estimator: str = "k3"  # k1 | k2 | k3 | low_var_kl (rft/algorithms/kl.py)
     kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)

@@ -175,6 +175,47 @@ def _check_judge(cfg: RFTConfig) -> None:
     if judges and cfg.judge.model is not None and not os.path.isfile(os.path.join(cfg.judge.model, "config.json")):
         config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
                      "or leave it unset to judge with the policy's starting weights (model.path)")
+    _check_teacher(cfg)
+
+
+def _check_expert_rows(prefix: str, stage: RFTConfig) -> None:
+    """CHORD (algorithm.expert_rows, RL stages): demonstrations to draw them from, a valid mu."""
+    from rft.algorithms.chord import check_chord
+
+    algo = stage.algorithm
+    check_chord(prefix, algo.expert_rows, algo.chord_mu_warmup_steps, algo.chord_mu_decay_steps,
+                algo.chord_mu_peak, algo.chord_mu_valley)
+    if not algo.expert_rows or not needs_rollouts(stage):  # a dataset stage (sft, dpo) inherits it unused
+        return
+    if stage.trainer.routing_replay == "rollout":
+        config_error(f"{prefix}algorithm.expert_rows", algo.expert_rows, "expert rows have no routes to replay: use "
+                     "trainer.routing_replay=none with CHORD")
+    if stage.data.expert_path is not None:
+        _check_file(f"{prefix}data.expert_path", stage.data.expert_path, False)
+
+
+def _check_teacher(cfg: RFTConfig) -> None:
+    """On-policy distillation (an advantage registered needs_teacher): a generating judge engine
+    serves the teacher, named explicitly, with the student's tokenizer."""
+    from rft.explorer.teacher import check_same_tokenizer, needs_teacher
+
+    if cfg.mode not in ("both", "explore"):  # a trainer job reads rows the explorer job had scored
+        return
+    for name, stage in stage_configs(cfg):
+        if not needs_rollouts(stage) or not needs_teacher(stage.algorithm.advantage):
+            continue
+        key = f"{f'stages[{name}].' if cfg.stages else ''}algorithm.advantage"
+        if not cfg.cluster.judge_ranks or cfg.judge.kind != "generate":
+            config_error(key, stage.algorithm.advantage, "distils from a teacher served by a judge engine: add "
+                         "cluster.judge_ranks=1, judge.kind=generate and judge.model=<the teacher's HF directory>")
+        if cfg.judge.model is None:
+            config_error("judge.model", None, f"{key}={stage.algorithm.advantage} needs a teacher: set judge.model "
+                         "to its HF directory (unset, the judge would be the student's own starting weights)")
+        if os.path.isfile(os.path.join(cfg.model.path or "", "config.json")):  # a tiny model is made at run time
+            try:
+                check_same_tokenizer(cfg.judge.model, cfg.model.path)
+            except ValueError as err:
+                config_error("judge.model", cfg.judge.model, str(err).split(": ", 1)[1])
 
 
 def _check_relative_judge(cfg: RFTConfig) -> None:
@@ -391,6 +432,7 @@ def validate(cfg: RFTConfig) -> None:
         _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)
         _check_file(f"{prefix}data.eval_path", data.eval_path, data.eval_path in written)
         plugin_checks.check_algorithm(prefix, algo)
+        _check_expert_rows(prefix, stage)
         if cfg.mode == "train" and algo.policy_loss not in ("sft", "dpo") and not cfg.sync.decoupled:
             config_error(f"{prefix}algorithm.policy_loss", algo.policy_loss,
                          "mode=train learns from datasets only: use sft or dpo, mode=both for RL, or sync.decoupled=true "

@@ -82,6 +82,7 @@ class EnvTasksConfig:
 class DataConfig:
     train_path: str = MISSING  # taskset for training: .jsonl or .parquet
     eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
+    expert_path: Optional[str] = None  # CHORD (algorithm.expert_rows): demonstrations, rows as SFT's (None: train_path's answers)
     prompt_key: str = "question"  # column holding the prompt text
     answer_key: str = "answer"  # column holding the reference answer
     id_key: Optional[str] = None  # column holding a task id (None: the row's index)

@@ -71,6 +71,11 @@ def check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.ppo_epochs", algo.ppo_epochs,
                      "DPO takes one optimizer step per batch of pairs: leave ppo_epochs=1 and mini_batch_size=0")
     _check_offpolicy(prefix, algo)
+    if not 0.0 < algo.jsd_beta < 1.0:
+        config_error(f"{prefix}algorithm.jsd_beta", algo.jsd_beta, "the teacher's weight in the JSD's mixture lies "
+                     "strictly between 0 and 1 (0.5: the symmetric JSD)")
+    if not algo.distill_coef > 0:
+        config_error(f"{prefix}algorithm.distill_coef", algo.distill_coef, "use a positive weight, e.g. 1.0")
 
 
 def _check_offpolicy(prefix: str, algo: AlgorithmConfig) -> None:

@@ -35,7 +35,7 @@ class TrainerConfig:
     routing_replay: str = "none"  # MoE: none | rollout (routers take the experts vLLM chose per token, R3; GPU rollout)
     sft_batch_size: int = 32  # dataset stages: rows per SFT step, preference pairs per DPO step
     threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
-    save_interval: int = 0  # also checkpoint every N global steps (0: by time and on Slurm's time-limit signal only)
+    save_interval: int = 0  # also checkpoint every N global steps, per stage if a stage sets it (0: by time and on Slurm's time-limit signal only)
     save_every_min: float = 30.0  # checkpoint when this many minutes passed since the last one (0: off)
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints

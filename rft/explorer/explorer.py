@@ -33,6 +33,8 @@ from rft.buffer.shards import ExperienceBuffer
 from rft.config import (
     RFTConfig,
     adapter_sync,
+    context_length,
+    judge_model,
     needs_rollouts,
     operator_specs,
     vllm_lora_rank,
@@ -56,6 +58,7 @@ from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.runner import Outcome, WorkflowRunner
+from rft.explorer.teacher import Teacher, needs_teacher, unscored_rows
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
 from rft.explorer.workflows import required_columns
 from rft.runtime import faults
@@ -239,7 +242,8 @@ class Explorer:
         self.adapter = {"dir": os.path.join(cfg.run.output_dir, "adapters", f"engine{self.engine}"),
                         "rank": lora.rank, "alpha": lora.alpha, "base": True} if adapter_sync(stage.cfg) else None
         self.runner = WorkflowRunner(self.engines, rollout, stage.cfg.algorithm.reward, cfg.model.chat_template,
-                                     self.failed_path)
+                                     self.failed_path, teacher=Teacher(context_length(judge_model(cfg)))
+                                     if needs_teacher(stage.cfg.algorithm.advantage) else None)
         columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
         fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, self.topology.context_length, data.overlong)
 
@@ -330,6 +334,8 @@ class Explorer:
                 **self.operators.take_scalars(), **self.selector.scalars(),
                 **({"rollout/sessions": float(len({e.trajectory_id for e in sessions}))} if self.endpoint else {}),
                 **({"rollout/engines": float(self.dealer.present())} if self.dealer.count > 1 else {}),
+                **({"rollout/teacher_unscored": float(unscored_rows(experiences))} if self.runner.teacher is not None
+                   else {}),
                 **self._continued_scalars(rollout.partial_rollout)}
 
     @contextlib.contextmanager

@@ -157,6 +157,25 @@ class JudgeClient:
 
         return await self._call(request)
 
+    async def token_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+        """The judge's logprob of each token of each sequence given the tokens before it (0.0 at
+        position 0, which has no context): a teacher scoring a student's samples (on-policy
+        distillation, rft/explorer/teacher.py). One completions request for all the sequences
+        (token ids, never re-tokenized text; vLLM's `prompt_logprobs`, an extension of the OpenAI
+        API); the one token it generates per sequence is discarded."""
+        async def request(client, endpoint):
+            reply = await client.completions.create(model=endpoint.model, prompt=sequences, max_tokens=1,
+                                                    temperature=0.0, extra_body={"prompt_logprobs": 0})
+            out = []
+            for sequence, choice in zip(sequences, sorted(reply.choices, key=lambda c: c.index)):
+                # position i: {str(token id): {"logprob": ...}, ...}, the scored token among them
+                scored = choice.prompt_logprobs or []
+                out.append([0.0] + [float(scored[i][str(token)]["logprob"]) for i, token in
+                                    enumerate(sequence) if i > 0])
+            return out
+
+        return await self._call(request)
+
     async def chat_many(self, conversations: list[list[dict]], **sampling) -> list[str | BaseException]:
         """Several conversations at once (one batch in vLLM's scheduler); a failed or timed-out
         call is returned as its exception, so one slow answer does not lose the others."""

@@ -7,6 +7,7 @@ retried when it fails, scored, and accounted for.
             if it returned: score what has no reward (algorithm.reward); done
         after the last try: <run>/buffer/failed.jsonl gets the task, the error and its traceback
     a group reward (relative_judge): scores the task's samples together once all are back
+    a teacher (on-policy distillation, rft/explorer/teacher.py): scores the task's samples' tokens
 
 A workflow waiting on a tool or an environment holds only its own slot; the engine serves the
 others meanwhile. A failed sample leaves its group one short (groups may be ragged); a task whose
@@ -32,6 +33,7 @@ from rft.data.taskset import Task
 from rft.explorer.dealer import Deal, local_deal
 from rft.explorer.model_client import ModelClient, Sampling
 from rft.explorer.rewards import RewardScorer
+from rft.explorer.teacher import Teacher
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflows import WORKFLOWS, WorkflowContext
 
@@ -83,8 +85,8 @@ class WorkflowRunner:
     """Runs `rollout.workflow` for batches of tasks on `engines` (all on one event loop)."""
 
     def __init__(self, engines: list[RolloutEngine], rollout: RolloutConfig, reward: str, chat_template: bool,
-                 failed_path: str):
-        self.engines, self.rollout, self.failed_path = engines, rollout, failed_path
+                 failed_path: str, teacher: Teacher | None = None):
+        self.engines, self.rollout, self.failed_path, self.teacher = engines, rollout, failed_path, teacher
         self.workflow = WORKFLOWS.resolve(rollout.workflow)
         self.scorer = RewardScorer(reward, rollout.reward_timeout_s)
         self.format = chat_format(engines[0].tokenizer, chat_template)
@@ -115,6 +117,8 @@ class WorkflowRunner:
                 group = [e for experiences in await asyncio.gather(*runs) for e in experiences]
                 if self.scorer.group:
                     await self._score_group(group, tasks[i])
+                if self.teacher is not None and not evaluation and group:
+                    await self.teacher.score(group)
                 done.append((i, group))
                 outcome.samples += samples
 

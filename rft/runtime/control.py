@@ -178,7 +178,8 @@ class ControlPoint:
         runtime, cfg, voters = self.stage.runtime, self.stage.runtime.cfg, self.stage.voters
         stopping, save_due, self.sends_weights = voters.vote(runtime.stop.requested, runtime.clock.due(), weights_changed)
         done = self.stage.start + self.t + 1  # trainer steps done: what the checkpoint is named by
-        if stopping or save_due or (cfg.trainer.save_interval and done % cfg.trainer.save_interval == 0):
+        interval = self.stage.cfg.trainer.save_interval  # a stage may set its own (stages[i].trainer.save_interval)
+        if stopping or save_due or (interval and done % interval == 0):
             runtime.save(done, self.stage, self.step, self.t, scalars)
             if self.stage.free and runtime.topology.rank == 0:  # the explorer's file completes it
                 voters.request_save(done, stopping)

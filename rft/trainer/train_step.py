@@ -20,14 +20,15 @@ policy's.
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 
 from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs, AdvantageOutputs
-from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean
+from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean, zero_padding
+from rft.algorithms.chord import expert_token_loss
 from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
 from rft.config import AlgorithmConfig
@@ -59,8 +60,20 @@ class StepBatch:
     old_logprobs: list[list[float]] | None = None
     group_ids: list[int] | None = None
     trajectory_ids: list[int] | None = None
+    # per-turn credit (advantage estimators with per_turn=True, rft/algorithms/turn_credit.py): each
+    # row's step rewards (None: none recorded), its first turn (step_wise: its step) and its model turns
+    step_rewards: list[list[float] | None] | None = None
+    step_index: list[int] | None = None
+    turns: list[int] | None = None
+    # on-policy distillation (advantage estimators with needs_teacher=True, rft/algorithms/
+    # distillation.py): each row's teacher logprobs per response token, None where it was not scored
+    teacher_logprobs: list[list[float] | None] | None = None
     # routing replay (trainer.routing_replay=rollout): each row's routed experts [tokens, layers, k]
     expert_routes: list | None = None
+    # CHORD (rft/algorithms/chord.py): which rows are expert demonstrations, and their part's share
+    # of the loss this step (mu)
+    expert: list[bool] | None = None
+    expert_weight: float = 0.0
 
     @classmethod
     def from_experiences(cls, experiences: list) -> "StepBatch":
@@ -74,7 +87,11 @@ class StepBatch:
                    rewards=[float(e.reward) for e in experiences],
                    old_logprobs=[e.logprobs[p:] for e, p in zip(experiences, cut)],
                    group_ids=group_index([e.group_id for e in experiences]).tolist(),
-                   trajectory_ids=group_index([e.trajectory_id or i for i, e in enumerate(experiences)]).tolist())
+                   trajectory_ids=group_index([e.trajectory_id or i for i, e in enumerate(experiences)]).tolist(),
+                   step_rewards=[e.step_rewards for e in experiences], step_index=[e.step_index for e in experiences],
+                   turns=[e.turns for e in experiences],
+                   teacher_logprobs=[None if e.teacher_logprobs is None else e.teacher_logprobs[p:]
+                                     for e, p in zip(experiences, cut)])
 
     def with_expert_routes(self, experiences: list) -> "StepBatch":
         """This batch with the rows' routed experts to replay (trainer.routing_replay=rollout)."""
@@ -85,6 +102,32 @@ class StepBatch:
                              "routing returned (written by this run's explorer)")
         self.expert_routes = [e.routed_experts for e in experiences]
         return self
+
+    def with_expert_rows(self, demonstrations: "StepBatch", mu: float) -> "StepBatch":
+        """This RL batch with SFT rows (prompt + expert answer) appended, CHORD's expert part at
+        weight `mu`. An expert row has no reward, sampling logprobs or group of its own that an
+        estimator could see: advantages are computed over the sampled rows only."""
+        n, k = len(self.prompt_ids), len(demonstrations.prompt_ids)
+        groups, trajectories = max(self.group_ids, default=-1) + 1, max(self.trajectory_ids or [n - 1], default=-1) + 1
+        return StepBatch(
+            prompt_ids=self.prompt_ids + demonstrations.prompt_ids,
+            response_ids=self.response_ids + demonstrations.response_ids,
+            response_mask=[self.mask_of(i) for i in range(n)] + [demonstrations.mask_of(i) for i in range(k)],
+            rewards=self.rewards + [0.0] * k,
+            old_logprobs=self.old_logprobs + [[0.0] * len(r) for r in demonstrations.response_ids],
+            group_ids=self.group_ids + list(range(groups, groups + k)),
+            trajectory_ids=(self.trajectory_ids or list(range(n))) + list(range(trajectories, trajectories + k)),
+            step_rewards=None if self.step_rewards is None else self.step_rewards + [None] * k,
+            step_index=None if self.step_index is None else self.step_index + [0] * k,
+            turns=None if self.turns is None else self.turns + [0] * k,
+            teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs + [None] * k,
+            expert=[False] * n + [True] * k, expert_weight=mu)
+
+    def rows(self, keep: list[int]) -> "StepBatch":
+        """The batch of rows `keep` (in that order): every per-row field picked, the rest kept."""
+        picked = {f.name: [getattr(self, f.name)[i] for i in keep] if isinstance(getattr(self, f.name), list)
+                  else getattr(self, f.name) for f in fields(self)}
+        return StepBatch(**picked)
 
     def mask_of(self, i: int) -> list[int]:
         """Row i's response mask (all ones for reference answers)."""
@@ -141,6 +184,21 @@ def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logpr
     Rows of one trajectory (step_wise) and a per-response estimator (grpo, rloo, ...): the
     estimator sees each trajectory once, with its group, so a trajectory of many steps weighs
     the same in its group's baseline as one of few; each row gets its trajectory's advantage."""
+    if batch.expert is not None:  # CHORD: the estimator sees the sampled rows; expert rows get 0
+        sampled = [i for i, expert in enumerate(batch.expert) if not expert]
+        width = max((len(batch.response_ids[i]) for i in sampled), default=0)
+        own = replace(batch.rows(sampled), expert=None)
+        part = batch_advantages(own, algo,
+                                None if ref_response_logprobs is None else ref_response_logprobs[sampled, :width],
+                                None if values is None else values[sampled, :width])
+        mask, _ = _response_tensors(batch)
+        advantages = torch.zeros_like(mask)
+        advantages[sampled, : part.advantages.shape[1]] = part.advantages
+        returns = None
+        if part.returns is not None:
+            returns = torch.zeros_like(mask)
+            returns[sampled, : part.returns.shape[1]] = part.returns
+        return AdvantageOutputs(advantages=advantages, returns=returns)
     mask, old = _response_tensors(batch)
     estimator = ADVANTAGES.resolve(algo.advantage)
     rewards = torch.tensor(batch.rewards, dtype=torch.float32)
@@ -158,7 +216,27 @@ def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logpr
         token_rewards = kl_penalty_rewards(old, ref_response_logprobs, mask, algo.kl_estimator, algo.kl_coef)
     inputs = AdvantageInputs(rewards=rewards, group_ids=group_ids, mask=mask, values=values,
                              token_rewards=token_rewards)
+    if ADVANTAGES.meta(estimator).get("needs_teacher"):
+        inputs.old_logprobs, inputs.teacher_logprobs, inputs.teacher_scored = old, *_teacher_tensors(batch, mask)
     return estimator(inputs, algo)
+
+
+def _teacher_tensors(batch: StepBatch, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The teacher's logprobs [B, T_resp] (0 on rows it did not score) and which rows it scored [B]."""
+    rows = batch.teacher_logprobs or [None] * len(batch.response_ids)
+    scored = torch.tensor([float(r is not None) for r in rows])
+    return _pad_rows([r if r is not None else [] for r in rows], mask.shape[1]), scored
+
+
+def teacher_scalars(batch: StepBatch) -> dict[str, float]:
+    """distill/reverse_kl: the mean over the scored rows' sampled tokens of log pi_s - log pi_t
+    (the student's sampling logprob minus the teacher's: the reverse KL's estimate, 0 when the
+    student samples as the teacher would); distill/rows_unscored: rows the teacher did not score."""
+    mask, old = _response_tensors(batch)
+    teacher, scored = _teacher_tensors(batch, mask)
+    valid = mask * scored.reshape(-1, 1)
+    return {"distill/reverse_kl": masked_token_mean(old - teacher, valid).item() if valid.any() else 0.0,
+            "distill/rows_unscored": float((scored == 0).sum())}
 
 
 def backward_and_step(model, optimizer: TrainerOptimizer, mbs: list[Microbatch], loss_fn, sums: dict[str, float],
@@ -249,7 +327,7 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0
     early = None  # advantages from the rewards alone, on every rank, when rows may be skipped
-    if skip_zero_advantage and is_rl and not use_ref and critic is None and algo.entropy_coef == 0 \
+    if skip_zero_advantage and is_rl and batch.expert is None and not use_ref and critic is None and algo.entropy_coef == 0 \
             and algo.tis_cap is None and POLICY_LOSSES.meta(POLICY_LOSSES.resolve(algo.policy_loss)).get(
                 "zero_at_zero_advantage"):
         early = batch_advantages(batch, algo, None)
@@ -305,6 +383,8 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     metrics["train/model_flops"] = _model_flops(model, lengths, chunks, trained, all_chunks,
                                                 use_ref and algo.kl_mode == "loss", is_rl and algo.tis_cap is not None,
                                                 is_rl and critic is not None)
+    if is_rl and ADVANTAGES.meta(ADVANTAGES.resolve(algo.advantage)).get("needs_teacher"):
+        metrics.update(teacher_scalars(batch))
     if early is not None:
         metrics["train/rows_skipped"] = float(len(skipped))  # the batch's (every rank computes the same set)
         metrics["train/steps_without_gradient"] = float(len(done) - len(stepped))
@@ -377,6 +457,25 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
     policy_loss = POLICY_LOSSES.resolve(algo.policy_loss if is_rl else "sft")  # no rewards: reference answers
     aggregate = AGGREGATIONS.resolve(algo.loss_agg)
     kl_in_loss = is_rl and fixed.ref_logprobs is not None
+    chord = is_rl and batch.expert is not None  # CHORD: sampled rows and expert rows, each part normalised alone
+    if chord:
+        parts = {part: _global_counts(batch, [i for i in all_rows if batch.expert[i] == part], dp_group, dp_size)
+                 for part in (False, True)}
+        width = max((len(r) for r in batch.response_ids), default=0)
+        experts = torch.tensor(batch.expert, dtype=torch.float32).reshape(-1, 1).expand(len(batch.expert), width)
+        sums.update({"loss/chord_rl": 0.0, "loss/chord_sft": 0.0})
+
+    def mixed(m: int, mask: torch.Tensor, logprobs: torch.Tensor, per_token: torch.Tensor) -> torch.Tensor:
+        """(1 - mu) * the RL loss over the sampled rows + mu * the expert rows' SFT loss (rft/algorithms/chord.py)."""
+        expert_mask = mask * _place(batch, chunks[m], experts, logprobs)
+        rl_mask = mask - expert_mask
+        expert_loss = expert_token_loss(logprobs, expert_mask, algo.chord_phi)
+        sums["loss/chord_rl"] += float(zero_padding(per_token, rl_mask).detach().sum())
+        sums["loss/chord_sft"] += float(expert_loss.detach().sum())
+        (rl_tokens, rl_seqs), (expert_tokens, _) = parts[False], parts[True]
+        mu = batch.expert_weight
+        return (1.0 - mu) * aggregate(per_token, rl_mask, num_tokens=rl_tokens, num_seqs=rl_seqs, norm_len=norm_len) \
+            + mu * expert_loss.sum() / expert_tokens
 
     def loss_fn(m: int, mb: Microbatch, logprobs: torch.Tensor, entropy: torch.Tensor | None) -> torch.Tensor:
         mask = mb.loss_mask
@@ -405,6 +504,8 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
             sums["actor/entropy"] += masked_token_mean(entropy, mask).item() * tokens
             if algo.entropy_coef:
                 per_token = per_token - algo.entropy_coef * entropy
+        if chord:
+            return mixed(m, mask, logprobs, per_token)
         return aggregate(per_token, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_len=norm_len)
 
     sums, result = backward_and_step(model, optimizer, mbs, loss_fn, sums, algo.grad_clip)
@@ -415,6 +516,10 @@ def _optimizer_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: 
                if trained_tokens or k not in forward_stats}  # no row trained: no entropy to report, not 0
     if algo.tis_cap is None or not is_rl:  # (trainer_old is None on all but the last PP stage)
         metrics.pop("actor/is_weight", None)
+    if chord:  # each part's per-token loss over its own tokens, and its weight
+        metrics["loss/chord_rl"] = sums["loss/chord_rl"] / parts[False][0]
+        metrics["loss/chord_sft"] = sums["loss/chord_sft"] / parts[True][0]
+        metrics["chord/mu"] = batch.expert_weight
     metrics.update(step_scalars(result))
     if not is_rl:
         metrics["loss/sft"] = metrics["loss/policy"]

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from rft.algorithms.chord import chord_mu
 from rft.buffer.replay import ReplayPool
 from rft.buffer.review import ReviewIntake
 from rft.buffer.shards import ExperienceBuffer
@@ -227,9 +228,11 @@ class Learner:
             self.critic = track("critic", Critic.build(cfg.model.path, cfg.model.dtype, self.model, algo, cfg.seed,
                                                        cfg.trainer.loss_scale, cfg.trainer.distributed_optimizer),
                                 restore=stage.resumed)
-        self.dataset, self.data_scalars = None, {}
+        self.dataset, self.data_scalars, self.expert = None, {}, None
         if not needs_rollouts(stage.cfg):
             self.dataset = self._dataset(stage)
+        elif algo.expert_rows:  # CHORD: demonstrations mixed into each RL step (rft/algorithms/chord.py)
+            self.expert = self._dataset(stage, stage.cfg.data.expert_path or stage.cfg.data.train_path, "expert_cursor")
         track("rng", RNG(), restore=stage.resumed)  # last: the stage's set-up above draws no numbers after it
 
     def end(self) -> None:
@@ -238,16 +241,17 @@ class Learner:
             self.lora.merge()
             self.lora = None
 
-    def _dataset(self, stage: Stage) -> DatasetBatches:
-        data, rows = stage.cfg.data, self.runtime.progress.rows
+    def _dataset(self, stage: Stage, path: str | None = None, name: str = "cursor") -> DatasetBatches:
+        """SFT rows or DPO pairs from `path` (the stage's data.train_path), drawn by a resumable
+        cursor tracked under `name`."""
+        data, rows, path = stage.cfg.data, self.runtime.progress.rows, path or stage.cfg.data.train_path
         fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, self.topology.context_length, data.overlong)
-        tasks = read_stage_tasks(data.train_path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key,
-                                 cleaned_in=(self.cfg.run.output_dir, stage.name))
-        tasks = fit.for_references(tasks, data.train_path, rows, preferences=self.is_dpo,
-                                   messages_key=data.messages_key)
-        cursor = self.runtime.state.track("cursor", build_selector(tasks, self.cfg.seed + stage.index, data.selector),
+        tasks = read_stage_tasks(path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key,
+                                 cleaned_in=(self.cfg.run.output_dir, stage.name) if name == "cursor" else None)
+        tasks = fit.for_references(tasks, path, rows, preferences=self.is_dpo, messages_key=data.messages_key)
+        cursor = self.runtime.state.track(name, build_selector(tasks, self.cfg.seed + stage.index, data.selector),
                                           restore=stage.resumed)
-        self.data_scalars = row_scalars(rows, [data.train_path])  # logged with the stage's first step
+        self.data_scalars = row_scalars(rows, [path])  # logged with the stage's first step
         return DatasetBatches(cursor, self.tokenizer, self.cfg.model.chat_template, data.messages_key)
 
     def train(self, stage: Stage) -> dict[str, float]:
@@ -260,6 +264,8 @@ class Learner:
             start = time.time()  # preparing the batch counts as training
             batch, scalars = experience_batch(rows.table, replay_routes=trainer.routing_replay == "rollout")
             algo, drop = self._staleness(rows, scalars)
+            if self.expert is not None:
+                batch = batch.with_expert_rows(self.expert.sft(algo.expert_rows), self._chord_mu(stage))
             scalars.update({"timing/wait_s": waited, **rows.scalars})
             if self.reader.corrupt:  # shards quarantined for a bad checksum and written again (or skipped)
                 scalars["buffer/corrupt_shards"] = float(self.reader.corrupt)
@@ -304,6 +310,12 @@ class Learner:
         if self.peak_tflops:
             scalars["perf/mfu"] = tflops / self.peak_tflops
         return scalars
+
+    def _chord_mu(self, stage: Stage) -> float:
+        """CHORD's expert share at this step of the stage (rft/algorithms/chord.py)."""
+        a = self.algo
+        return chord_mu(self.runtime.progress.global_step - stage.start - 1, a.chord_mu_warmup_steps,
+                        a.chord_mu_decay_steps, a.chord_mu_peak, a.chord_mu_valley)
 
     def _log_optimizer_steps(self, steps: list[dict[str, float]]) -> None:
         """With several optimizer steps per trainer step (algorithm.ppo_epochs, mini_batch_size),

@@ -4,13 +4,14 @@ run saved (`trainer.save_hf`), writing bench.csv / bench.md and TensorBoard scal
 import csv
 from pathlib import Path
 
-from tests.e2e.helpers import QUICKSTART_SFT_STEPS, launch, tensorboard_scalars
+from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch, tensorboard_scalars
 
 
 def test_bench_scores_the_base_model_and_a_runs_exports(quickstart_run, tmp_path):
     run_dir, bench_dir = Path(quickstart_run[0]), tmp_path / "bench"  # the run exported HF checkpoints as it went
     exports = sorted(p.name for p in (run_dir / "checkpoints" / "hf").iterdir())
-    assert exports == [f"v{QUICKSTART_SFT_STEPS // 2:06d}", f"v{QUICKSTART_SFT_STEPS:06d}"]
+    assert exports == [f"v{QUICKSTART_SFT_STEPS // 2:06d}", f"v{QUICKSTART_SFT_STEPS:06d}",
+                       f"v{QUICKSTART_SFT_STEPS + QUICKSTART_GRPO_STEPS:06d}"]
 
     result = launch("+experiment=quickstart", "mode=bench", f"run.output_dir={bench_dir}",
                     f"bench.checkpoints=[{run_dir}/model]", f"bench.run_dir={run_dir}", "bench.k=[1,4]")

@@ -32,7 +32,13 @@ def test_the_readme_presets_all_exist():
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_every_key_resolves(preset, tmp_path):
     mode = "train" if preset == "dpo" else "both"  # DPO learns offline from preference pairs
-    cfg = compose_cfg("+experiment=quickstart", f"algorithm={preset}", f"mode={mode}", f"run.output_dir={tmp_path}")
+    teacher = []  # distillation presets: a teacher on a judge engine (any HF directory passes the check here)
+    if preset in ("on_policy_distill", "jsd"):
+        (tmp_path / "teacher").mkdir()
+        (tmp_path / "teacher" / "config.json").write_text("{}")
+        teacher = ["cluster.judge_ranks=1", f"judge.model={tmp_path / 'teacher'}"]
+    cfg = compose_cfg("+experiment=quickstart", f"algorithm={preset}", f"mode={mode}", f"run.output_dir={tmp_path}",
+                      *teacher)
     validate(cfg)
     assert cfg.algorithm.name == preset
     for key, registry in registries().items():

@@ -192,7 +192,10 @@ def test_every_builtin_runs_on_a_random_batch(registry, name):
     mask = batch["mask"]
     fn = registry.resolve(name)
     if registry is ADVANTAGES:
-        out = fn(AdvantageInputs(batch["rewards"], torch.arange(B) // GROUP, mask, values=batch["values"]), None)
+        inputs = AdvantageInputs(batch["rewards"], torch.arange(B) // GROUP, mask, values=batch["values"])
+        if ADVANTAGES.meta(fn).get("needs_teacher"):  # distillation: the student's and a teacher's logprobs
+            inputs.old_logprobs, inputs.teacher_logprobs = batch["old_logprobs"], batch["ref_logprobs"]
+        out = fn(inputs, None)
         assert isinstance(out, AdvantageOutputs)
         assert out.advantages.shape == (B, T) and torch.isfinite(out.advantages).all()
         assert (out.advantages[mask == 0] == 0).all()

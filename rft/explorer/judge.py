@@ -94,7 +94,8 @@ class JudgeClient:
         if self._clients is None:
             from openai import AsyncOpenAI
 
-            # timeouts are ours (asyncio.wait_for, below); no retries: a retry would double a hang
+            # timeouts are ours (asyncio.wait_for, below); no retries by the client: a retry would double a
+            # hang (a connection that failed at once is tried once more: _attempts)
             self._clients = [AsyncOpenAI(base_url=e.url, api_key=e.token, max_retries=0, timeout=None)
                              for e in self.endpoints]
         return self._clients[index]
@@ -108,7 +109,7 @@ class JudgeClient:
         self._in_flight[index] += 1
         started = time.monotonic()
         try:
-            answer = await asyncio.wait_for(request(self._client(index), self.endpoints[index]), self.cfg.timeout_s)
+            answer = await asyncio.wait_for(self._attempts(request, index), self.cfg.timeout_s)
         except asyncio.TimeoutError:
             self.counts.timeouts += 1
             raise JudgeTimeout(f"judge engine {index} ({self.endpoints[index].url}) did not answer within "
@@ -120,6 +121,19 @@ class JudgeClient:
             self._in_flight[index] -= 1
         self.counts.seconds += time.monotonic() - started
         return answer
+
+    async def _attempts(self, request, index: int):
+        """`request` on judge `index`, tried a second time if the connection failed. The server
+        (uvicorn) closes a keep-alive connection idle for 5 s, and a request the client sent on it
+        meanwhile fails at once with a connection error (seen between rollout steps on a loaded
+        machine); the second try opens a new connection. It cannot double a hang: judge.timeout_s
+        bounds both tries together, and a timeout is not retried."""
+        import openai
+
+        try:
+            return await request(self._client(index), self.endpoints[index])
+        except openai.APIConnectionError:
+            return await request(self._client(index), self.endpoints[index])
 
     def _sampling(self, max_new_tokens: int | None, temperature: float | None) -> dict:
         return {"max_tokens": max_new_tokens or self.cfg.max_new_tokens,

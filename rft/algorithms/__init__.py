@@ -20,6 +20,8 @@ def registries() -> dict[str, Registry]:
             "loss_agg": AGGREGATIONS, "sample_filter": SAMPLE_FILTERS}
 
 
+# per-turn credit registers "grpo_per_turn" in ADVANTAGES (it imports advantages.py, not the reverse)
+from rft.algorithms import turn_credit  # noqa: E402,F401
 # the off-policy REINFORCE family registers rec, topr, sppo, sapo, reinforce in POLICY_LOSSES and
 # asymre, reinforce in ADVANTAGES (it imports the registries' modules, not the reverse)
 from rft.algorithms import offpolicy  # noqa: E402,F401

@@ -13,7 +13,9 @@ Registry ADVANTAGES, signature
 Built-ins: "grpo", "dr_grpo", "rloo" (group baselines over `group_ids`, one advantage per
 response broadcast over its tokens; registered with `per_response=True`, which lets the trainer
 score a multi-row trajectory once, rft/trainer/train_step.py), "reinforce_pp" and "gae" (per-token
-returns, whitened over the batch's valid tokens).
+returns, whitened over the batch's valid tokens). "grpo_per_turn" (rft/algorithms/turn_credit.py,
+registered with `per_turn=True`: the trainer passes each token's turn and each turn's reward)
+credits each model turn of a multi-step trajectory with its own discounted return.
 Padding (mask = 0) never influences a result and gets advantage 0. Estimators that whiten over the
 batch (reinforce_pp, gae) must see the whole batch, not one data-parallel shard of it.
 """
@@ -48,6 +50,10 @@ class AdvantageInputs:
     values: [B, T] critic values, or None (needed by "gae").
     token_rewards: [B, T] per-token reward shaping (e.g. `kl.kl_penalty_rewards`), or None; added
         to the sequence reward, which sits on each response's last valid token.
+    turn_ids: [B, T] int64, the model turn (0, 1, ... within its trajectory) of each token, -1
+        outside any turn; turn_rewards: [B, K] each row's per-turn rewards (0 past its turns).
+        Filled for estimators registered with `per_turn=True` (rft/algorithms/turn_credit.py),
+        else None.
     old_logprobs, teacher_logprobs: [B, T] the student's sampling logprobs and a frozen teacher's,
         and teacher_scored: [B] 1 where the teacher scored the row, 0 where it did not answer.
         Filled for estimators registered with `needs_teacher=True` (rft/algorithms/distillation.py),
@@ -59,6 +65,8 @@ class AdvantageInputs:
     mask: torch.Tensor
     values: torch.Tensor | None = None
     token_rewards: torch.Tensor | None = None
+    turn_ids: torch.Tensor | None = None
+    turn_rewards: torch.Tensor | None = None
     old_logprobs: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
     teacher_scored: torch.Tensor | None = None

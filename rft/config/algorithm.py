@@ -15,7 +15,7 @@ class AlgorithmConfig:
     dotted path to your own function (signatures in rft/algorithms/*.py, checked at launch)."""
 
     name: str = "grpo"  # a label (the preset's name); the keys below decide what runs
-    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) | asymre | reinforce | on_policy_distill, jsd (a teacher: judge.model) (rft/algorithms/)
+    advantage: str = "grpo"  # grpo | dr_grpo | rloo | reinforce_pp | gae (with a critic) | grpo_per_turn | asymre | reinforce | on_policy_distill, jsd (a teacher: judge.model) (rft/algorithms/)
     policy_loss: str = "ppo"  # ppo | gspo | cispo | rec | topr | sppo | sapo | reinforce | sft | dpo (rft/algorithms/); sft, dpo: no rollouts
     loss_agg: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
     loss_agg_norm_len: int = 0  # seq-mean-token-sum-norm's constant (0: rollout.max_new_tokens)
@@ -37,7 +37,7 @@ class AlgorithmConfig:
     reinforce_baseline: float = 0.0  # advantage=reinforce: A = reward - this constant (topr preset: 0.5)
     tis_cap: Optional[float] = None  # truncated IS between trainer and vLLM logprobs (e.g. 2.0); None: off
     norm_adv_by_std: bool = True  # divide group-centred rewards by the group std (GRPO)
-    gamma: float = 1.0  # discount (reinforce_pp, gae)
+    gamma: float = 1.0  # discount: per token (reinforce_pp, gae), per model turn (grpo_per_turn)
     lam: float = 1.0  # GAE lambda
     critic_lr: float = 1e-5  # gae: AdamW learning rate of the critic (value model, rft/trainer/critic.py)
     value_clip: Optional[float] = 0.2  # gae: the critic's values move at most this far from V_old per step; None: off

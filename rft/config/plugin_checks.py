@@ -52,7 +52,7 @@ def check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:
         config_error(f"{prefix}algorithm.min_lr_ratio", algo.min_lr_ratio, "use a share of lr from 0 to 1, e.g. 0.1")
     if algo.kl_mode not in ("loss", "reward"):
         config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode, "use loss or reward")
-    if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo"):
+    if algo.kl_mode == "reward" and algo.kl_coef > 0 and algo.advantage in ("grpo", "dr_grpo", "rloo", "grpo_per_turn"):
         config_error(f"{prefix}algorithm.kl_mode", algo.kl_mode,
                      f"advantage {algo.advantage} scores whole responses; a per-token KL reward needs "
                      "advantage=reinforce_pp or gae (or kl_mode=loss)")

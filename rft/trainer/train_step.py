@@ -31,6 +31,7 @@ from rft.algorithms.aggregation import AGGREGATIONS, masked_token_mean, zero_pad
 from rft.algorithms.chord import expert_token_loss
 from rft.algorithms.kl import KL_ESTIMATORS, kl_penalty_rewards
 from rft.algorithms.policy_losses import POLICY_LOSSES, truncated_is_weights
+from rft.algorithms.turn_credit import turn_tensors
 from rft.config import AlgorithmConfig
 from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
@@ -218,6 +219,9 @@ def batch_advantages(batch: StepBatch, algo: AlgorithmConfig, ref_response_logpr
                              token_rewards=token_rewards)
     if ADVANTAGES.meta(estimator).get("needs_teacher"):
         inputs.old_logprobs, inputs.teacher_logprobs, inputs.teacher_scored = old, *_teacher_tensors(batch, mask)
+    if ADVANTAGES.meta(estimator).get("per_turn"):  # which tokens are which turn's, and each turn's reward
+        inputs.turn_ids, inputs.turn_rewards = turn_tensors(mask, batch.rewards, batch.step_rewards,
+                                                            batch.step_index, batch.turns)
     return estimator(inputs, algo)
 
 

@@ -70,7 +70,7 @@ def test_unknown_name_names_the_registry_and_lists_known_names(registry):
 
 def test_resolve_unknown_plain_name_lists_known_names():
     # every built-in, sorted (modules beyond advantages.py register some: rft/algorithms/__init__.py)
-    assert {"asymre", "dr_grpo", "gae", "grpo", "reinforce", "reinforce_pp", "rloo"} <= set(ADVANTAGES.names())
+    assert {"asymre", "dr_grpo", "gae", "grpo", "grpo_per_turn", "reinforce", "reinforce_pp", "rloo"} <= set(ADVANTAGES.names())
     with pytest.raises(ValueError, match="known: " + ", ".join(ADVANTAGES.names()) + r"\."):
         ADVANTAGES.resolve("gpro")
 

@@ -51,6 +51,8 @@ class Runtime:
                  rank_name: str, monitor: bool = True):
         self.cfg, self.topology, self.group, self.stop = cfg, topology, group, stop
         self.state = RankState(cfg.run.output_dir, topology, resume)
+        # resolved once: resolving through OmegaConf's schema took a third of a quickstart SFT step
+        self.stage_plan = stage_configs(cfg)
         self.progress = self.state.track("progress", Progress())
         self.resumed_at = self.progress.global_step if self.state.resuming else None
         self.monitor = Monitor(cfg.run.output_dir, rank_name, self.resumed_at) if monitor else None
@@ -67,7 +69,7 @@ class Runtime:
         """The run's stages from where this rank resumes; the checkpoint's stage is re-entered at
         its step, later stages start fresh (stage components restore only in the first one)."""
         start = 0
-        for index, (name, cfg) in enumerate(stage_configs(self.cfg)):
+        for index, (name, cfg) in enumerate(self.stage_plan):
             resumed = self.state.resuming and index == self.progress.stage_index
             if not self.state.resuming or index >= self.progress.stage_index:
                 yield Stage(self, index, name, cfg, start, resumed)
@@ -87,10 +89,9 @@ class Runtime:
 
     def show_progress(self, stage: Stage, step: int, scalars: dict[str, float]) -> None:
         """The launcher's progress bar: written by rank 0 (the trainer's, or mode=explore's engine)."""
-        stages = stage_configs(self.cfg)
         write_json_atomic(progress_path(self.cfg.run.output_dir), {
-            "stage": stage.name, "stage_index": stage.index, "num_stages": len(stages), "step": step,
-            "total_steps": sum(s.trainer.max_steps for _, s in stages), "reward": scalars.get("reward/mean")})
+            "stage": stage.name, "stage_index": stage.index, "num_stages": len(self.stage_plan), "step": step,
+            "total_steps": sum(s.trainer.max_steps for _, s in self.stage_plan), "reward": scalars.get("reward/mean")})
 
     def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float]) -> None:
         """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote

@@ -120,7 +120,7 @@ class Registry:
             return spec
         if spec in self._entries or "." not in spec:
             return self.get(spec)
-        fn = _import_dotted(spec, self.kind)
+        fn = _import_dotted(spec, self.kind, "class" if self.is_class else "function")
         self.check_signature(fn, f"{self.kind} '{spec}'")
         return fn
 
@@ -185,7 +185,7 @@ def _signature_problems(params: list[inspect.Parameter], positional_names: Seque
     return problems
 
 
-def _import_dotted(path: str, kind: str) -> Callable[..., Any]:
+def _import_dotted(path: str, kind: str, what: str = "function") -> Callable[..., Any]:
     """Import "package.module.function"; ValueError naming the path when any part is missing."""
     module_name, _, attr = path.rpartition(".")
     try:
@@ -198,7 +198,7 @@ def _import_dotted(path: str, kind: str) -> Callable[..., Any]:
         raise ValueError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
     if not callable(fn):
         # a config mistake like every other resolve failure: one exception type for callers
-        raise ValueError(f"{kind} '{path}' is a {type(fn).__name__}, not a function")  # noqa: TRY004
+        raise ValueError(f"{kind} '{path}' is a {type(fn).__name__}, not a {what}")  # noqa: TRY004
     return fn
 
 

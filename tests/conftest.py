@@ -46,12 +46,13 @@ def quickstart_run(tmp_path_factory) -> tuple[str, str]:
 
 @pytest.fixture(scope="session")
 def exported_sft_model(quickstart_run) -> str:
-    """The quickstart's model at the end of its shortened SFT warm-up (1,000 steps, half the
+    """The quickstart's model at the end of its shortened SFT warm-up (300 steps, half the
     quickstart's), as a HF directory (`model.path=`). Short of the full warm-up on purpose: the GRPO
-    variants started from it must show that they learn, and the full warm-up's 2,000 steps already
-    score 92% on the held-out tasks (measured), where +5 points is at the ceiling and one run's noise;
-    after 1,000 it scores 79%, and LoRA GRPO took it to 93.5%. (The SFT learning rate is constant
-    after its warm-up, so this is the model a full warm-up has half way.)"""
+    variants started from it must show that they learn, and the full warm-up's 600 steps already
+    score about 90% on the held-out tasks (seeds 0-2, measured), where +5 points is at the ceiling
+    and one run's noise; after 300 it scored 78% (seed 0, AMD EPYC; 250 steps: 15-41% over seeds
+    0-2). (The SFT learning rate is constant after its warm-up, so this is the model a full warm-up
+    has half way.)"""
     from rft.weights.engines import version_dir
 
     return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS)

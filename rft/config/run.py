@@ -5,7 +5,7 @@ at compose time (Hydra structured configs are in struct mode)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -27,9 +27,33 @@ class RunConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases (monitor.loggers: [..., wandb]); rft/runtime/trackers/wandb_tracker.py."""
+
+    project: str = "rft"  # W&B project
+    entity: Optional[str] = None  # team or user (None: your default entity)
+    mode: str = "offline"  # offline: files under <run dir>/wandb, `wandb sync` them later (compute nodes often have no internet) | online
+    tags: list[str] = field(default_factory=list)  # added to every rank's W&B run
+
+
+@dataclass
+class MlflowConfig:
+    """MLflow (monitor.loggers: [..., mlflow]); rft/runtime/trackers/mlflow_tracker.py."""
+
+    tracking_uri: Optional[str] = None  # the server (http://host:5000) or store; None: $MLFLOW_TRACKING_URI, else sqlite in the run directory
+    experiment: Optional[str] = None  # MLflow experiment (None: run.name, so a sweep's runs share one)
+    tags: dict[str, str] = field(default_factory=dict)  # added to every rank's MLflow run
+
+
+@dataclass
 class MonitorConfig:
     eval_interval: int = 0  # eval every N steps (0: only at stage start and end)
     progress: bool = True  # live progress bar in the launcher
+    loggers: list[str] = field(default_factory=lambda: ["tensorboard"])  # where scalars go besides metrics/*.jsonl: tensorboard | wandb | mlflow | a dotted path
+    group: Optional[str] = None  # groups the tracked runs (W&B group, MLflow tag rft.group); None: the sweep's directory name in a sweep, else the run's
+    plots: bool = True  # the launcher draws plots/<stage>.png and .svg from metrics/*.jsonl as stages end
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
 
 
 @dataclass

@@ -99,7 +99,7 @@ def run_bench(cfg: RFTConfig) -> dict:
     runner = WorkflowRunner([engine], rollout, cfg.algorithm.reward, cfg.model.chat_template,
                             os.path.join(cfg.run.output_dir, "failed.jsonl"))
     sampling = Sampling(cfg.bench.temperature, rollout.top_p, rollout.max_new_tokens, tuple(rollout.stop))
-    monitor = Monitor(cfg.run.output_dir, "bench")
+    monitor = Monitor(cfg, "bench")
     rows = []
     for index, path in enumerate(paths):
         engine.load_hf_dir(path)

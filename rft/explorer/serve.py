@@ -41,7 +41,7 @@ def run_server(cfg: RFTConfig, topology: Topology, control: ControlGroup, stop: 
     stop.install()
     endpoint = serve_endpoint(cfg, engine, Dealer(control.store, index, topology.engine_count, cfg.sync.timeout_s), index)
     buffer = ExperienceBuffer.for_run(cfg)
-    monitor = Monitor(cfg.run.output_dir, f"serve{topology.rank}")
+    monitor = Monitor(cfg, f"serve{topology.rank}")
     step = next_step(buffer.root, topology.rank)
     totals = {"sessions": 0, "rows": 0, "weight_loads": 0}
 

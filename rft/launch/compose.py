@@ -74,6 +74,10 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         key = getattr(err, "full_key", None)
         raise ValueError(f"{key + ': ' if key else ''}{str(err).splitlines()[0]}") from None
     cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
+    if cfg.monitor.group is None:  # what groups the tracked runs (W&B, MLflow): the sweep, else the run
+        sweep_dir = HydraConfig.get().sweep.dir if multirun else None
+        parent, leaf = os.path.split(os.path.normpath(os.path.abspath(sweep_dir or cfg.run.output_dir)))
+        cfg.monitor.group = f"{os.path.basename(parent)}/{leaf}"  # e.g. quickstart/2026-11-28_10-00-00
     from rft.launch.slurm import check_against_cluster, check_request, resolve_gpus, resolve_kind
 
     if cfg.cluster.kind == "auto":

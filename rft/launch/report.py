@@ -25,12 +25,12 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
           done: Callable[[], bool] | None = None, alive: Callable[[int], bool | None] | None = None,
           on_slurm: bool = False, engine_of: dict[int, int] | None = None,
           name_of: Callable[[int], str] = lambda rank: f"rank {rank}", hang_s: float = 630.0,
-          cut_s: float = 600.0) -> RankFailure | None:
+          cut_s: float = 600.0, on_stage_end: Callable[[str], object] | None = None) -> RankFailure | None:
     """Render progress until the job ends; return the first failed rank, if any (a lost engine's
     ranks in `engine_of` are not the job's failure: EngineLosses), the rank silent for `hang_s`
     while the others beat (`silent_rank`), or the one rank 0 has not answered for `cut_s`
     (`cut_off_rank`: a network partition). While it follows, the launcher's ownership of the run
-    directory stays fresh (rft/runtime/run_dir.py)."""
+    directory stays fresh (rft/runtime/run_dir.py); `on_stage_end(name)` runs as the next stage starts."""
     losses = EngineLosses(engine_of or {})
     alive = alive or local_rank_alive(run_dir)
     from rft.runtime.run_dir import HEARTBEAT_S, heartbeat
@@ -41,7 +41,7 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                         TextColumn("reward {task.fields[reward]}"), TimeElapsedColumn(),
                         TextColumn("ETA"), TimeRemainingColumn(), console=console,
                         disable=not show_progress)
-    beat, shown_endpoints = 0.0, False
+    beat, shown_endpoints, stage_seen = 0.0, False, None
     with progress:
         bar = progress.add_task("run", total=None, stage="starting", reward="-")
         while not (done() or losses.rest_finished(log_dir, job.job_id, world_size)):
@@ -84,7 +84,9 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                               f"headers in {os.path.join(run_dir, 'endpoints.json')})", soft_wrap=True)
             state = _read_json(progress_path(run_dir))
             if state:
-                reward = state.get("reward")
+                if on_stage_end is not None and stage_seen not in (None, state["stage"]):
+                    on_stage_end(stage_seen)  # its plots: a long run shows each stage as it ends
+                stage_seen, reward = state["stage"], state.get("reward")
                 progress.update(bar, total=state["total_steps"], completed=state["step"],
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")

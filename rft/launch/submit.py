@@ -83,6 +83,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     from rft.launch.failures import where_it_ran
     from rft.launch.job_state import job_watch, local_rank_processes, stop_local_ranks, wait_until_gone
     from rft.launch.report import build_summary, print_summary, watch
+    from rft.launch.tracking import draw_plots
     from rft.runtime.monitor import write_json_atomic
     from rft.runtime.pulse import SILENT_S
 
@@ -95,7 +96,8 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
                         on_slurm=on_slurm, engine_of=losable_engines(topology), name_of=topology.member_name,
                         # its peers had their chance to time out
-                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S, cut_s=cfg.sync.timeout_s)
+                        hang_s=cfg.sync.timeout_s + 2 * SILENT_S, cut_s=cfg.sync.timeout_s,
+                        on_stage_end=lambda stage: draw_plots(cfg, stage))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
         console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
@@ -137,6 +139,9 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     summary = build_summary(cfg.run.output_dir, world, buffer_dir(cfg))  # a decoupled job's buffer is shared
     write_json_atomic(os.path.join(cfg.run.output_dir, "summary.json"), summary)
     print_summary(summary)
+    plots = [p for p in draw_plots(cfg) if p.endswith(".png")]
+    if plots:
+        console.print(f"plots: {', '.join(plots)} (and .svg)", soft_wrap=True, highlight=False)
     console.print(f"outputs: {cfg.run.output_dir}")
     return 0
 
@@ -153,10 +158,12 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     without `cluster.wait`. Returns the process exit code."""
     from rft.launch.console import console
     from rft.launch.plan import print_plan
+    from rft.launch.tracking import prepare_trackers
     from rft.runtime.run_dir import set_job
 
     log_dir = os.path.join(cfg.run.output_dir, "logs")
     print_plan(cfg, log_dir, attempt)
+    prepare_trackers(cfg)
     # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
     shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
     executor, port = _executor(cfg, log_dir)
@@ -177,12 +184,14 @@ def submit_array(runs: list[tuple[RFTConfig, Owner, str | None]], sweep_dir: str
     """Submit a Slurm sweep as one job array (task i = run i); follow every run if `cluster.wait`."""
     from rft.launch.console import console
     from rft.launch.plan import print_plan
+    from rft.launch.tracking import prepare_trackers
     from rft.runtime.run_dir import release, set_job
 
     log_dir = os.path.join(sweep_dir, "logs")
     first = runs[0][0]
     print_plan(first, log_dir)
     for cfg, _, attempt in runs:
+        prepare_trackers(cfg)
         if attempt is not None:
             console.print(f"{cfg.run.output_dir}: {attempt}", soft_wrap=True)
     executor, port = _executor(first, log_dir)

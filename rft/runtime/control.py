@@ -55,7 +55,7 @@ class Runtime:
         self.stage_plan = stage_configs(cfg)
         self.progress = self.state.track("progress", Progress())
         self.resumed_at = self.progress.global_step if self.state.resuming else None
-        self.monitor = Monitor(cfg.run.output_dir, rank_name, self.resumed_at) if monitor else None
+        self.monitor = Monitor(cfg, rank_name, self.resumed_at) if monitor else None
         self.clock = SaveClock(cfg.trainer.save_every_min)
         self.save_hooks: list[Callable[[int], None]] = []  # with every checkpoint, on every rank (HF export)
         self.saved_hooks: list[Callable[[int], None]] = []  # once every rank has saved (pruning)
@@ -112,6 +112,8 @@ class Runtime:
         explorer's is at or after `done`: rft/runtime/free_run.py)."""
         p = self.progress
         p.global_step, p.stage_index, p.step, p.voted, p.pending = step.global_step, stage.index, step.index, voted, scalars or {}
+        if self.monitor is not None:  # the steps before this checkpoint are in every tracker: a resume logs only later ones
+            self.monitor.flush()
         self.state.save(done)
         for hook in self.save_hooks:
             hook(done)

@@ -1,4 +1,4 @@
-"""TensorBoard scalars, the progress file the launcher renders, and the end-of-run summary.
+"""Scalars (metrics/<rank>.jsonl and the trackers), the progress file the launcher renders, and the end-of-run summary.
 
 Ranks never print progress themselves (their stdout goes to per-rank log files); they write small
 JSON files atomically into the run directory and the launcher turns them into a live progress bar
@@ -52,49 +52,41 @@ def drop_from_step(path: str, step: int) -> None:
 
 
 class Monitor:
-    """Per-rank scalar logger: TensorBoard events plus a jsonl copy the launcher and tools read.
+    """Per-rank scalar logger: the jsonl copy the launcher, the plots and tools read (the source
+    of truth), plus the trackers of `monitor.loggers` (TensorBoard by default, W&B, MLflow:
+    rft/runtime/trackers/)."""
 
-    Each rank writes its own TensorBoard run (`tensorboard/<rank name>/`): TensorBoard reads one
-    writer per directory reliably, and a resumed rank's `purge_step` hides only its own events
-    from steps the previous attempt logged after its checkpoint.
-    """
+    def __init__(self, cfg: Any, rank_name: str, resume_step: int | None = None):
+        from rft.runtime.trackers import TrackedRun, Trackers
 
-    def __init__(self, run_dir: str, rank_name: str, resume_step: int | None = None):
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.run_dir = run_dir
-        self.metrics_dir = os.path.join(run_dir, "metrics")
-        os.makedirs(self.metrics_dir, exist_ok=True)
-        self.jsonl = os.path.join(self.metrics_dir, f"{rank_name}.jsonl")
-        if resume_step is not None:
+        run_dir = cfg.run.output_dir
+        self.jsonl = os.path.join(run_dir, "metrics", f"{rank_name}.jsonl")
+        os.makedirs(os.path.dirname(self.jsonl), exist_ok=True)
+        if resume_step is not None:  # the steps from the checkpoint on are logged again
             drop_from_step(self.jsonl, resume_step)
-        # flushed by its own thread every few seconds: no file I/O on the step's critical path
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard", rank_name), flush_secs=5,
-                                    purge_step=resume_step)
-        self.rank_name, self.resumed, self.optim_writer = rank_name, resume_step is not None, None
+        group = cfg.monitor.group or os.path.basename(os.path.normpath(run_dir))
+        self.trackers = Trackers(cfg, TrackedRun(run_dir, rank_name, group, resume_step))
 
     def log_optimizer_steps(self, first: int, steps: list[dict[str, float]]) -> None:
-        """Each optimizer step's scalars (PPO epochs and mini-batches give several per trainer step)
-        in TensorBoard run `<rank name>_optim/`, whose x axis counts optimizer steps from 1; the
-        trainer steps' own scalars (their means) stay in the rank's run."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        if self.optim_writer is None:  # a resumed run hides what the last attempt logged after `first`
-            self.optim_writer = SummaryWriter(os.path.join(self.run_dir, "tensorboard", f"{self.rank_name}_optim"),
-                                              flush_secs=5, purge_step=first if self.resumed else None)
-        for n, scalars in enumerate(steps):
-            for key, value in scalars.items():
-                self.optim_writer.add_scalar(f"optim/{key}", float(value), global_step=first + n)
+        """Each optimizer step's scalars, where a tracker shows them on their own axis (TensorBoard's
+        `<rank>_optim` run)."""
+        tensorboard = self.trackers.get("tensorboard")
+        if tensorboard is not None:
+            tensorboard.log_optimizer_steps(first, steps)
 
     def log(self, step: int, scalars: dict[str, float], stage: str) -> None:
-        for key, value in scalars.items():
-            self.writer.add_scalar(key, float(value), global_step=step)
-        append_jsonl(self.jsonl, {"step": step, "stage": stage, "time": time.time(), **scalars})
+        values = {key: float(value) for key, value in scalars.items()}
+        self.trackers.call("log", step, values)
+        append_jsonl(self.jsonl, {"step": step, "stage": stage, "time": time.time(), **values})
+
+    def flush(self) -> None:
+        """Before a checkpoint: what was logged up to it is durable in every tracker."""
+        self.trackers.call("flush")
 
     def close(self) -> None:
-        self.writer.close()
-        if self.optim_writer is not None:
-            self.optim_writer.close()
+        """At the rank's end, or when it stops for a requeue (then again at its finish: a no-op)."""
+        self.trackers.call("close")
+        self.trackers.active.clear()
 
 
 def progress_path(run_dir: str) -> str:

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # the shortened quickstart of the session fixture `quickstart_run` (tests/conftest.py)
-QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 1000, 40
+QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 300, 40
 
 
 def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
@@ -135,3 +137,56 @@ def assert_same_run(reference, resumed, done: int, states: dict[int, tuple[str, 
 
     found = run_differences(str(reference), str(resumed), done, states, logs)
     assert not found, f"{len(found)} differences from the uninterrupted run, e.g. {found[:5]}"
+
+
+@contextlib.contextmanager
+def mlflow_server(store_dir) -> Iterator[str]:
+    """MLflow's own tracking server on localhost (SQLite backend under `store_dir`); yields its URL."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                               "--workers", "1", "--backend-store-uri", f"sqlite:///{store_dir}/mlflow.db",
+                               "--default-artifact-root", str(store_dir)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if urllib.request.urlopen(f"{url}/health", timeout=2).status == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, "mlflow server did not start"
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(timeout=30)
+
+
+def tracked_steps(run_dir, rank: str, tracking_uri: str) -> dict[str, dict[str, list[int]]]:
+    """What MLflow (its server) and W&B (the offline files of every attempt) hold of one rank's
+    scalars, {"mlflow": {key: steps}, "wandb": {key: steps}}, next to its jsonl ({"jsonl": ...})."""
+    from mlflow import MlflowClient
+
+    from rft.runtime.trackers.wandb_files import history
+
+    ids = json.loads((Path(run_dir) / "metrics" / f"{rank}.trackers.json").read_text())
+    client = MlflowClient(tracking_uri)
+    out: dict[str, dict[str, list[int]]] = {"mlflow": {}, "wandb": {}, "jsonl": {}}
+    for key in client.get_run(ids["mlflow"]).data.metrics:
+        out["mlflow"][key] = [m.step for m in sorted(client.get_metric_history(ids["mlflow"], key), key=lambda m: m.step)]
+    for row in history(str(run_dir), ids["wandb"]):
+        for key in row:
+            if key != "_step":
+                out["wandb"].setdefault(key, []).append(row["_step"])
+    for row in map(json.loads, (Path(run_dir) / "metrics" / f"{rank}.jsonl").read_text().splitlines()):
+        for key in row:
+            if key not in ("step", "stage", "time"):
+                out["jsonl"].setdefault(key, []).append(row["step"])
+    return out

@@ -28,7 +28,9 @@ from tests.e2e.helpers import (
     kill_like_a_node_failure,
     launch,
     launch_until_step,
+    mlflow_server,
     tensorboard_scalars,
+    tracked_steps,
     wait_for_step,
 )
 
@@ -65,8 +67,36 @@ def uninterrupted(tmp_path_factory):
 # tests/e2e/test_chaos.py kills ranks of a run at offset 0 and checks it ends bit for bit
 @pytest.mark.parametrize("offset", [1])
 def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, offset, uninterrupted):
+    """Also tracked in MLflow (its own server) and W&B (offline) besides TensorBoard: after the kill
+    and the relaunch each rank has one run in each, holding every scalar at every step once."""
     run_dir = tmp_path / "run"
-    overrides = _overrides(run_dir, offset)
+    with mlflow_server(tmp_path / "mlflow") as tracking_uri:
+        overrides = [*_overrides(run_dir, offset), "monitor.loggers=[tensorboard,mlflow,wandb]",
+                     f"monitor.mlflow.tracking_uri={tracking_uri}"]
+        first_ids = _killed_and_resumed(run_dir, overrides, offset, uninterrupted)
+        for rank in TRACKED:
+            tracked = tracked_steps(run_dir, rank, tracking_uri)
+            assert tracked["mlflow"] == tracked["jsonl"] and tracked["wandb"] == tracked["jsonl"], rank
+        from mlflow import MlflowClient
+
+        runs = MlflowClient(tracking_uri).search_runs([MlflowClient(tracking_uri).get_experiment_by_name("quickstart")
+                                                      .experiment_id])
+        group = f"{tmp_path.name}/run"  # monitor.group: the run directory's last two names
+        assert sorted(r.info.run_name for r in runs) == [f"{group}/{rank}" for rank in sorted(TRACKED)]
+        assert {rank: _tracker_ids(run_dir, rank) for rank in TRACKED} == first_ids
+    assert (run_dir / "plots" / "sft.png").exists() and (run_dir / "plots" / "grpo.svg").exists()
+
+
+TRACKED = ("trainer0", "rollout1")  # the ranks that log
+
+
+def _tracker_ids(run_dir, rank: str) -> dict[str, str]:
+    return json.loads((run_dir / "metrics" / f"{rank}.trackers.json").read_text())
+
+
+def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> dict[str, dict[str, str]]:
+    """Kill the run after its checkpoint, launch it again, check it ended as the uninterrupted run;
+    the trackers' run ids of each rank after the kill."""
     explorer_saved = CHECKPOINT + offset  # shards [0, explorer_saved) are in the explorer's checkpoint
     # on the way, the shard of step TORN reaches the disk torn (rft/runtime/faults.py): the trainer
     # quarantines it, the explorer writes it again from its copy, the run goes on as if not
@@ -82,8 +112,10 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
                                 and int(n[4:12]) >= explorer_saved]
     assert written_after_checkpoint, "the kill came before any experience past the checkpoint"
 
+    first_ids = {rank: _tracker_ids(run_dir, rank) for rank in TRACKED}
     result = launch(*overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "plots: " in result.stdout
     for rank in (0, 1):
         log = next((run_dir / "logs").glob(f"*_{rank}_log.out"), None)
         logs = "".join(p.read_text() for p in (run_dir / "logs").glob(f"*_{rank}_log.out"))
@@ -110,6 +142,7 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
     assert [r.get("buffer/corrupt_shards") for r in trainer_log if TORN < r["step"] <= CHECKPOINT] == \
         [1.0] * (CHECKPOINT - TORN)
     assert_same_run(uninterrupted(offset), run_dir, DONE, FINAL_STATE)  # the torn shard's experience trained once
+    return first_ids
 
 
 # offset 0 is stopped by the signal in test_a_full_disk_stops_the_run..., before its disk fills

@@ -195,13 +195,26 @@ def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, 
     """`-m seed=1,2`: one job array, one task per run, each run in its own output dir. Each run
     takes a whole node (2 tasks x 2 CPUs of its 4), so Slurm places the array's two tasks on the
     two nodes, where they run at the same time, each meeting at its own node; sacct shows both
-    completed, as a user would check."""
+    completed, as a user would check. Their MLflow server does not answer (nothing listens at the
+    address): one warning line per run on the terminal and per rank in its log, and the runs go on.
+    `python -m rft.plot` on the sweep directory draws both runs in one figure."""
     sweep_dir = tmp_path / "sweep"
     result = subprocess.run(
         [sys.executable, "-m", "rft.launch", "-m", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
          "cluster.cpus_per_task=2", "seed=1,2", f"hydra.sweep.dir={sweep_dir}", "monitor.progress=false",
-         "data.eval_limit=8", GRPO], cwd=REPO, env=two_nodes, capture_output=True, text=True, timeout=900)
+         "data.eval_limit=8", GRPO, "monitor.loggers=[tensorboard,mlflow]",
+         "monitor.mlflow.tracking_uri=http://127.0.0.1:9"],
+        cwd=REPO, env=two_nodes, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    said = (result.stdout + result.stderr).replace("\n", " ")
+    assert said.count("rft: warning: monitor.mlflow.tracking_uri=http://127.0.0.1:9 does not answer") == 2, said[-3000:]
+    for rank_log in sorted((sweep_dir / "logs").glob("*_log.err")):
+        assert rank_log.read_text().count("rft: warning: monitor.loggers: mlflow could not start") == 1, rank_log
+    plotted = subprocess.run([sys.executable, "-m", "rft.plot", str(sweep_dir)], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+    assert plotted.returncode == 0 and plotted.stdout.split()[0] == str(sweep_dir / "plots" / "compare.png")
+    legend = (sweep_dir / "plots" / "compare.svg").read_text()
+    assert "seed=1" in legend and "seed=2" in legend
     array_id = result.stdout.split("submitted array job ")[1].split()[0]
     assert "(2 runs x 2 tasks)" in result.stdout
     nodes = set()

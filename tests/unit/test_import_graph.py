@@ -138,7 +138,7 @@ LAYERS = (
     ("rft.trainer", "rft.explorer"),  # the roles
     ("rft.runtime.task",),  # a rank's entry: picks its role
     ("rft.config.checks", "rft.config.plugin_checks"),  # run by the launcher: they read every registry
-    ("rft.launch",),  # the login node
+    ("rft.launch", "rft.plot"),  # the login node: launching, following, drawing a run
 )
 
 

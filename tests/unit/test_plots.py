@@ -1,0 +1,62 @@
+"""Pictures from a run's metrics: a figure per stage with the panels the stage logged, and runs of a
+sweep on shared axes with the config keys that differ in the legend (`python -m rft.plot`)."""
+
+import json
+import subprocess
+import sys
+
+import yaml
+
+from rft.plot import draw_run
+from rft.plot.figures import differing_keys, smoothed
+
+
+def _run(run_dir, seed: int, lr: float) -> str:
+    """A two-stage run's files as its ranks write them: the trainer's and an engine's scalars."""
+    (run_dir / "metrics").mkdir(parents=True)
+    config = {"seed": seed, "run": {"output_dir": str(run_dir), "name": "qs"},
+              "stages": [{"name": "sft", "algorithm": {"lr": 3e-3}}, {"name": "grpo", "algorithm": {"lr": lr}}]}
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config))
+    trainer = [{"step": s, "stage": "sft", "time": 0.0, "loss/sft": 2.0 / s, "timing/step_s": 0.1} for s in range(1, 31)]
+    trainer += [{"step": s, "stage": "grpo", "time": 0.0, "reward/mean": (s - 30) / 40 + seed / 100,
+                 "actor/entropy": 0.8, "loss/kl": 0.0, "actor/clipfrac": 0.01, "response_length/mean": 4.0,
+                 "timing/step_s": 1.0} for s in range(31, 71)]
+    engine = [{"step": s, "stage": stage, "time": 0.0, "eval/accuracy": acc}
+              for s, stage, acc in ((0, "sft", 0.0), (30, "sft", 0.4), (30, "grpo", 0.4), (70, "grpo", 0.6 + seed / 100))]
+    for name, rows in (("trainer0", trainer), ("rollout1", engine)):
+        (run_dir / "metrics" / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(run_dir)
+
+
+def test_each_stage_gets_a_png_and_an_svg_with_the_panels_it_logged(tmp_path):
+    paths = draw_run(_run(tmp_path / "run", 0, 1e-3))
+    assert sorted(p.rsplit("/", 1)[1] for p in paths) == ["grpo.png", "grpo.svg", "sft.png", "sft.svg"]
+    sft = (tmp_path / "run" / "plots" / "sft.svg").read_text()
+    grpo = (tmp_path / "run" / "plots" / "grpo.svg").read_text()
+    assert "loss/sft" in sft and "reward/mean" not in sft and "eval/accuracy" in sft
+    for key in ("reward/mean", "eval/accuracy", "response_length/mean", "actor/entropy", "actor/clipfrac",
+                "timing/step_s", "stage grpo, steps 30-70"):
+        assert key in grpo, key
+    assert "loss/kl" not in grpo  # 0 throughout: no reference model, no panel
+    assert (tmp_path / "run" / "plots" / "grpo.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_smoothing_follows_the_trend_and_keeps_the_length():
+    trend, span = smoothed([0.0] * 50 + [1.0] * 50)
+    assert len(trend) == 100 and span == 10 and trend[49] == 0.0 and 0.95 < trend[-1] <= 1.0
+
+
+def test_a_sweep_is_one_figure_with_what_differs_in_the_legend(tmp_path):
+    sweep = tmp_path / "sweep"
+    runs = [_run(sweep / "0", 1, 1e-3), _run(sweep / "1", 2, 3e-3)]
+    assert differing_keys(runs) == ["seed", "stages.grpo.algorithm.lr"]  # not run.output_dir
+    result = subprocess.run([sys.executable, "-m", "rft.plot", str(sweep)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == [str(sweep / "plots" / "compare.png"), str(sweep / "plots" / "compare.svg")]
+    svg = (sweep / "plots" / "compare.svg").read_text()
+    assert "seed=1, stages.grpo.algorithm.lr=0.001" in svg and "seed=2, stages.grpo.algorithm.lr=0.003" in svg
+
+
+def test_a_directory_without_runs_is_named(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "rft.plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2 and f"{tmp_path}: not a run directory" in result.stderr

@@ -131,7 +131,7 @@ def _broadcast(per_response: torch.Tensor, mask: torch.Tensor) -> AdvantageOutpu
     return AdvantageOutputs(advantages=zero_padding(expanded, mask))
 
 
-@ADVANTAGES.register("grpo", per_response=True)
+@ADVANTAGES.register("grpo", per_response=True, needs_group=True)
 def grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """GRPO (DeepSeekMath): (r - group mean) / (unbiased group std + eps), or only centred when
     cfg.norm_adv_by_std is False. A group whose rewards are all equal, or a group of one sample,
@@ -144,7 +144,7 @@ def grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     return _broadcast(centred, inputs.mask)
 
 
-@ADVANTAGES.register("dr_grpo", per_response=True)
+@ADVANTAGES.register("dr_grpo", per_response=True, needs_group=True)
 def dr_grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """Dr. GRPO (Liu et al., "Understanding R1-Zero-Like Training"): r - group mean, never
     divided by the std, which over-weights groups that are nearly all right or all wrong."""
@@ -153,7 +153,7 @@ def dr_grpo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     return _broadcast(rewards - total / count, inputs.mask)
 
 
-@ADVANTAGES.register("rloo", per_response=True)
+@ADVANTAGES.register("rloo", per_response=True, needs_group=True)
 def rloo(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """RLOO (Ahmadian et al.; verl/OpenRLHF "rloo"): r_i minus the mean of the group's other
     rewards, an unbiased baseline because it does not depend on sample i. A group of one sample

@@ -89,7 +89,7 @@ def turn_returns(turn_rewards: torch.Tensor, gamma: float) -> torch.Tensor:
     return out
 
 
-@ADVANTAGES.register("grpo_per_turn", per_turn=True)
+@ADVANTAGES.register("grpo_per_turn", per_turn=True, needs_group=True)
 def grpo_per_turn(inputs: AdvantageInputs, cfg: Any) -> AdvantageOutputs:
     """Per-turn GRPO: discounted per-turn returns normalised over the group's turns at the same
     position (module docstring). Without inputs.turn_ids and turn_rewards each response is one

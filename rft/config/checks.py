@@ -162,8 +162,7 @@ def _check_judge(cfg: RFTConfig) -> None:
     if cfg.judge.max_new_tokens < 1:
         config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
     for name, stage in stage_configs(cfg):
-        kind = {"llm_judge": "generate", "relative_judge": "generate",
-                "reward_model": "classify"}.get(stage.algorithm.reward)
+        kind = _judge_kind(stage.algorithm.reward)
         key = f"{f'stages[{name}].' if cfg.stages else ''}algorithm.reward"
         if kind and not judges:
             config_error(key, stage.algorithm.reward, f"asks a judge engine: add cluster.judge_ranks=1 and "
@@ -176,6 +175,17 @@ def _check_judge(cfg: RFTConfig) -> None:
         config_error("judge.model", cfg.judge.model, "not an HF model directory (no config.json); "
                      "or leave it unset to judge with the policy's starting weights (model.path)")
     _check_teacher(cfg)
+
+
+def _judge_kind(reward: str) -> str | None:
+    """The judge.kind a reward asks for (its registry entry's `judge_kind`, or a user reward's
+    `rft_meta`); None for one that asks no judge, or a name the plugin checks will refuse."""
+    from rft.explorer.rewards import REWARDS
+
+    try:
+        return REWARDS.meta(REWARDS.resolve(reward)).get("judge_kind")
+    except ValueError:
+        return None
 
 
 def _check_expert_rows(prefix: str, stage: RFTConfig) -> None:
@@ -448,9 +458,6 @@ def validate(cfg: RFTConfig) -> None:
                          "DPO trains offline on preference pairs: run it with mode=train")
         plugin_checks.check_rollout_plugins(prefix, stage)
         plugin_checks.check_data_pipeline(prefix, stage)
-        if algo.advantage in ("grpo", "dr_grpo", "rloo") and algo.group_size < 2:
-            config_error(f"{prefix}algorithm.group_size", algo.group_size,
-                  f"advantage {algo.advantage} compares samples within a group; use 2 or more samples per task")
         if not 0 < algo.clip_eps < 1:
             config_error(f"{prefix}algorithm.clip_eps", algo.clip_eps, "use a value in (0, 1), e.g. 0.2")
         if algo.lr <= 0:

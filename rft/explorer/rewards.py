@@ -141,7 +141,7 @@ def math_verify_answer(response: str, answer: str) -> float:
 JUDGE_PROMPT = "{question}\nReference: {answer}\nResponse: {response}\nCorrect (yes/no)?"
 
 
-@REWARDS.register("llm_judge", needs_answer=True)
+@REWARDS.register("llm_judge", needs_answer=True, judge_kind="generate")
 async def llm_judge(trajectory: Experience, task: Task) -> float:
     """1.0 if the judge engine (cluster.judge_ranks, rft/explorer/judge.py) answers "yes" to
     JUDGE_PROMPT with the task's question, reference answer and the response. A plain completion,
@@ -154,7 +154,7 @@ async def llm_judge(trajectory: Experience, task: Task) -> float:
     return 1.0 if verdict.strip().lower().startswith("yes") else 0.0
 
 
-@REWARDS.register("reward_model")
+@REWARDS.register("reward_model", judge_kind="classify")
 async def reward_model(trajectory: Experience, task: Task) -> float:
     """The reward model's score (judge.kind=classify on cluster.judge_ranks: an HF
     sequence-classification model, rft/explorer/judge.py) of the prompt followed by the response."""
@@ -163,7 +163,7 @@ async def reward_model(trajectory: Experience, task: Task) -> float:
     return (await judge.score([(task.prompt or "") + trajectory.response]))[0]
 
 
-@REWARDS.register("relative_judge")
+@REWARDS.register("relative_judge", judge_kind="generate")
 async def relative_judge(group: list[Experience], task: Task) -> list[float]:
     """RULER-style relative judging: the group's answers to the task go to the judge engine in one
     prompt with a rubric (judge.rubric), one score in [0, 1] per answer comes back; a reply that

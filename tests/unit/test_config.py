@@ -273,3 +273,24 @@ def test_expert_parallelism_that_cannot_split_the_experts_is_refused_naming_the_
     with pytest.raises(ValueError, match="trainer.routing_replay") as err:
         validate(cfg)
     assert "has no experts to route" in str(err.value)
+
+
+async def judged_reward(trajectory, task):
+    """A user's reward that asks the judge engine, and says so in its metadata."""
+    return 1.0
+
+
+judged_reward.rft_meta = {"judge_kind": "generate"}
+
+
+def test_what_a_reward_or_advantage_needs_comes_from_its_metadata_not_its_name(tmp_path):
+    """A user's reward marked judge_kind=generate asks for judge ranks as llm_judge does; an
+    advantage registered needs_group (grpo_per_turn) asks for groups as grpo does."""
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}",
+                      f"algorithm.reward={__name__}.judged_reward")
+    with pytest.raises(ValueError, match=r"algorithm.reward='.*judged_reward' is invalid: asks a judge engine"):
+        validate(cfg)
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "algorithm.advantage=grpo_per_turn",
+                      "algorithm.group_size=1")
+    with pytest.raises(ValueError, match="algorithm.group_size=1 is invalid: advantage grpo_per_turn compares"):
+        validate(cfg)

@@ -3,11 +3,8 @@ expectation against autograd's gradient of the divergence on a whole vocabulary,
 logprobs through the experience schema and the trainer's batch, and the launch checks."""
 
 import asyncio
-import json
 import math
 import os
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
@@ -16,6 +13,7 @@ from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from rft.buffer.experience import Experience, from_table, to_table
 from rft.config.checks import validate
 from rft.trainer.train_step import StepBatch, batch_advantages, teacher_scalars
+from tests.openai_stub import OpenAIStub
 from tests.unit.test_config import compose_cfg
 
 STUDENT = torch.tensor([[-0.5, -2.0, -1.0], [-0.1, -3.0, 0.0]])
@@ -151,38 +149,14 @@ def test_distillation_needs_a_named_teacher_on_a_judge_engine_with_the_students_
                              f"model.path={student}"))
 
 
-class _Teacher(ThreadingHTTPServer):
-    """An OpenAI-compatible completions server answering as vLLM does with `prompt_logprobs`: per
-    prompt, None at position 0, then {token id: {"logprob": -0.1 x position}}; it keeps the prompts."""
-
-    def __init__(self):
-        self.prompts = []
-        super().__init__(("127.0.0.1", 0), _TeacherHandler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _TeacherHandler(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.prompts.append(body["prompt"])
-        choices = [{"index": k, "text": "x", "finish_reason": "length", "logprobs": None,
-                    "prompt_logprobs": [None] + [{str(t): {"logprob": -0.1 * i, "rank": 1}} for i, t in
-                                                 enumerate(prompt) if i > 0]}
-                   for k, prompt in enumerate(body["prompt"])]
-        data = json.dumps({"id": "x", "object": "text_completion", "created": 0, "model": body["model"],
-                           "choices": choices}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args):
-        pass
+def teacher_logprobs(path: str, body: dict) -> dict:
+    """What vLLM answers with `prompt_logprobs`: per prompt, None at position 0, then
+    {token id: {"logprob": -0.1 x position}}."""
+    choices = [{"index": k, "text": "x", "finish_reason": "length", "logprobs": None,
+                "prompt_logprobs": [None] + [{str(t): {"logprob": -0.1 * i, "rank": 1}} for i, t in
+                                             enumerate(prompt) if i > 0]}
+               for k, prompt in enumerate(body["prompt"])]
+    return {"id": "x", "object": "text_completion", "created": 0, "model": body["model"], "choices": choices}
 
 
 def test_the_teacher_scores_a_group_in_one_request_up_to_its_context_and_a_dead_one_costs_the_rows(capsys):
@@ -190,19 +164,19 @@ def test_the_teacher_scores_a_group_in_one_request_up_to_its_context_and_a_dead_
     from rft.explorer.judge import JudgeClient, JudgeEndpoint, judge
     from rft.explorer.teacher import Teacher
 
-    server = _Teacher()
+    server = OpenAIStub(teacher_logprobs)
     rows = [Experience(token_ids=[5, 6, 7], loss_mask=[0, 1, 1], logprobs=[0, -1.0, -2.0], prompt_length=1),
             Experience(token_ids=[5, 6, 7, 8, 9], loss_mask=[0, 1, 1, 1, 1], logprobs=[0, -1.0, -2.0, -3.0, -4.0],
                        prompt_length=1)]
     try:
         judge.client = JudgeClient([JudgeEndpoint(server.url, "token", "teacher")], JudgeConfig(timeout_s=10))
         assert asyncio.run(Teacher(context=4).score(rows)) == 0
-        assert server.prompts == [[[5, 6, 7], [5, 6, 7]]]  # one request; no prompt longer than context - 1
+        # one request; no prompt longer than context - 1
+        assert [body["prompt"] for _, body in server.requests] == [[[5, 6, 7], [5, 6, 7]]]
         assert rows[0].teacher_logprobs == pytest.approx([0.0, -0.1, -0.2])
         # positions past the teacher's context keep the student's logprobs: advantage 0 there
         assert rows[1].teacher_logprobs == pytest.approx([0.0, -0.1, -0.2, -3.0, -4.0])
-        server.shutdown()
-        server.server_close()
+        server.close()
         judge.client = JudgeClient([JudgeEndpoint(server.url, "token", "teacher")], JudgeConfig(timeout_s=10))
         teacher, fresh = Teacher(context=4), [Experience(token_ids=[5, 6], loss_mask=[0, 1], logprobs=[0, -1.0],
                                                          prompt_length=1)]

@@ -6,9 +6,7 @@ server that answers fixed text, a silent one (a hung judge) and a closed port (a
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -26,6 +24,7 @@ from rft.explorer.relative_judge import (
     rubric_text,
 )
 from rft.explorer.rewards import REWARDS, RewardScorer
+from tests.openai_stub import OpenAIStub
 from tests.unit.test_config import compose_cfg
 from tests.unit.test_judge import _closed_port_url, _silent_server
 
@@ -99,38 +98,16 @@ def test_missing_scores_take_the_mean_of_the_others_or_the_neutral_score():
 
 # ---- the whole path against a real HTTP server ---------------------------------------------------
 
-class _Judge(ThreadingHTTPServer):
-    """An OpenAI-compatible server that answers every chat or completion call with `reply` and
-    keeps the requests it got."""
+def _Judge(reply: str) -> OpenAIStub:
+    """An OpenAI-compatible server that answers every chat or completion call with `reply`."""
 
-    def __init__(self, reply: str):
-        self.reply, self.requests = reply, []
-        super().__init__(("127.0.0.1", 0), _Handler)
-        threading.Thread(target=self.serve_forever, daemon=True).start()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def do_POST(self):  # noqa: N802 - http.server's name
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append((self.path, body))
-        reply = self.server.reply
+    def respond(path: str, body: dict) -> dict:
         choice = ({"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": "stop"}
-                  if self.path.endswith("/chat/completions") else
+                  if path.endswith("/chat/completions") else
                   {"index": 0, "text": reply, "finish_reason": "stop", "logprobs": None})
-        data = json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": body["model"],
-                           "choices": [choice]}).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
+        return {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"], "choices": [choice]}
 
-    def log_message(self, *args):
-        pass
+    return OpenAIStub(respond)
 
 
 @pytest.fixture
@@ -157,7 +134,7 @@ def test_a_group_is_one_chat_call_and_identical_answers_are_one_candidate(connec
     try:
         assert score(answers("drip drop", "grey sky weeps\nslow", "drip drop ")) == [0.2, 0.9, 0.2]
     finally:
-        server.shutdown()
+        server.close()
     ((path, body),) = server.requests
     assert path == "/v1/chat/completions" and body["max_tokens"] == 300 and body["temperature"] == 0.0
     system, user = body["messages"]
@@ -173,7 +150,7 @@ def test_without_a_chat_template_the_judge_gets_one_plain_prompt(connect):
     try:
         assert score(answers("46", "47"), Task(0, "12+34=", "46")) == [0.5, 1.0]
     finally:
-        server.shutdown()
+        server.close()
     ((path, body),) = server.requests
     assert path == "/v1/completions" and body["prompt"].endswith("JSON:") and "Reference answer" in body["prompt"]
 
@@ -189,7 +166,7 @@ def test_a_reply_that_does_not_parse_scores_the_groups_mean_and_is_counted(conne
     try:
         assert score(answers("a", "b", "c")) == pytest.approx(expected)
     finally:
-        server.shutdown()
+        server.close()
     counts = client.take_counts()
     assert (counts.calls, counts.parse_failures, counts.errors) == (1, unparsed, 0)
     assert counts.scalars()["judge/parse_failures"] == unparsed

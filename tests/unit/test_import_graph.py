@@ -137,7 +137,9 @@ LAYERS = (
     ("rft.data", "rft.buffer", "rft.review", "rft.weights"),  # what the roles use
     ("rft.trainer", "rft.explorer"),  # the roles
     ("rft.runtime.task",),  # a rank's entry: picks its role
-    ("rft.config.checks", "rft.config.plugin_checks"),  # run by the launcher: they read every registry
+    # run by the launcher: they read every registry
+    ("rft.config.checks", "rft.config.plugin_checks", "rft.config.judge_checks", "rft.config.layout_checks",
+     "rft.config.mode_checks"),
     ("rft.launch", "rft.plot"),  # the login node: launching, following, drawing a run
 )
 

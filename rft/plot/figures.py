@@ -1,5 +1,5 @@
 """The figures: one per stage of a run (`plots/<stage>.png` and `.svg`), and several runs on shared
-axes. Every panel shows the raw points faintly and an exponential moving average over them, the
+axes. Every panel shows the raw points faintly and a centred moving mean over them, the
 smoothing named in the panel."""
 
 from __future__ import annotations
@@ -36,14 +36,15 @@ SPARSE = 20  # a curve of at most this many points is drawn point to point, unsm
 TITLES = {"loss/sft": "SFT loss (NLL per token)", "loss/dpo": "DPO loss"}
 
 
-def smoothed(values: list[float]) -> tuple[list[float], float]:
-    """EMA whose span is a tenth of the curve (at least 1 step): the trend through noisy steps."""
-    span = max(1.0, len(values) / 10)
-    alpha, out, level = 2 / (span + 1), [], None
-    for value in values:
-        level = value if level is None else alpha * value + (1 - alpha) * level
-        out.append(level)
-    return out, span
+def smoothed(values: list[float]) -> tuple[list[float], int]:
+    """A centred moving mean over about a fifteenth of the curve (odd, at least 1 step; narrower
+    at the ends): the trend through noisy steps without the lag of an exponential average."""
+    window = max(1, round(len(values) / 15)) | 1
+    half, out = window // 2, []
+    for i in range(len(values)):
+        part = values[max(0, i - half):i + half + 1]
+        out.append(sum(part) / len(part))
+    return out, window
 
 
 def pick(panel: Panel, curves: dict[str, Curve]) -> str | None:
@@ -68,14 +69,12 @@ def _draw(ax, panel: Panel, key: str, curve: Curve, color: str, label: str | Non
 
 def _label(ax, panel: Panel, key: str, spans: list[float]) -> None:
     ax.set_title(TITLES.get(key, panel.title) + f"\n{key}", fontsize=9)
-    ax.set_xlabel("trainer step", fontsize=8)
+    smoothing = f" (dots: steps; line: centred mean of {max(spans):.0f})" if max(spans, default=1.0) > 1 else ""
+    ax.set_xlabel("trainer step" + smoothing, fontsize=8)
     if panel.unit:
         ax.set_ylabel(panel.unit, fontsize=8)
     ax.tick_params(labelsize=7)
     ax.grid(alpha=0.3)
-    if max(spans, default=1.0) > 1:
-        ax.text(0.99, 0.02, f"dots: raw; line: EMA span {max(spans):.0f} steps", transform=ax.transAxes,
-                ha="right", va="bottom", fontsize=6, alpha=0.6)
 
 
 def _figure(panels: int, title: str):

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from rft.plot import draw_run
@@ -41,9 +42,10 @@ def test_each_stage_gets_a_png_and_an_svg_with_the_panels_it_logged(tmp_path):
     assert (tmp_path / "run" / "plots" / "grpo.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_smoothing_follows_the_trend_and_keeps_the_length():
-    trend, span = smoothed([0.0] * 50 + [1.0] * 50)
-    assert len(trend) == 100 and span == 10 and trend[49] == 0.0 and 0.95 < trend[-1] <= 1.0
+def test_smoothing_follows_the_trend_without_lag_and_keeps_the_length():
+    trend, window = smoothed([0.0] * 50 + [1.0] * 50)
+    assert len(trend) == 100 and window == 7
+    assert trend[46] == 0.0 and trend[53] == 1.0 and trend[49] == pytest.approx(3 / 7) and trend[-1] == 1.0
 
 
 def test_a_sweep_is_one_figure_with_what_differs_in_the_legend(tmp_path):

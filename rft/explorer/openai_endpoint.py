@@ -161,6 +161,17 @@ class RecordingEngine:
                                                                version, text))
 
 
+def server_args(model: str, token: str, served_name: str):
+    """vLLM's OpenAI server arguments for one engine. `--api-key=<token>` in one word: a
+    token_urlsafe token starts with "-" one time in 64, and argparse takes "--api-key -x..." for an
+    option without its value (a judge rank failed to start so)."""
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    return make_arg_parser(FlexibleArgumentParser()).parse_args(
+        ["--model", model, f"--api-key={token}", "--served-model-name", served_name, "--disable-fastapi-docs"])
+
+
 class OpenAIEndpoint:
     """vLLM's OpenAI server for `engine` on `host:port`, requiring `token`; `sessions` records."""
 
@@ -181,13 +192,9 @@ class OpenAIEndpoint:
         import uvicorn
         from vllm.entrypoints.launchers.api_server.app_state import init_app_state
         from vllm.entrypoints.launchers.app import build_app
-        from vllm.entrypoints.launchers.cli_args import make_arg_parser
-        from vllm.utils.argparse_utils import FlexibleArgumentParser
 
         llm = self.engine.llm
-        args = make_arg_parser(FlexibleArgumentParser()).parse_args(
-            ["--model", llm.model_config.model, "--api-key", self.token, "--served-model-name", self.served_name,
-             "--disable-fastapi-docs"])
+        args = server_args(llm.model_config.model, self.token, self.served_name)
         tasks = await llm.get_supported_tasks()
         app = build_app(args, tasks, llm.model_config)
         await init_app_state(RecordingEngine(self.engine, self.sessions), app.state, args, tasks)

@@ -158,3 +158,13 @@ def test_a_reward_model_judge_scores_as_transformers_does(tmp_path):
     assert len(set(scores)) == 3
     assert refused.status_code == 401
     assert client.take_counts().calls == 1  # one call for the batch
+
+
+@pytest.mark.parametrize("token", ["plain_token-1", "-starts_with_a_dash", "--looks-like-an-option"])
+def test_any_endpoint_token_reaches_vllms_server_whole(token):
+    """The endpoint's random token may start with "-" (token_urlsafe's alphabet has it): vLLM's
+    argument parser must still read it as the key, not as an option (a judge rank failed so)."""
+    from rft.explorer.openai_endpoint import server_args
+
+    args = server_args("/models/x", token, "judge")
+    assert args.api_key == [token] and args.served_model_name == ["judge"]

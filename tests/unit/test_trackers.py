@@ -148,3 +148,23 @@ def test_the_launcher_refuses_an_unknown_tracker_before_anything_runs(tmp_path):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and "monitor.loggers" in result.stderr and "mlflow" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_steps_a_killed_rank_never_wrote_to_wandb_are_logged_again_from_the_jsonl(tmp_path):
+    """W&B's service writes behind the run: a rank killed -9 can lose steps from before its
+    checkpoint, which the resumed rank does not compute again. Simulated at its worst: the first
+    attempt's offline files are lost entirely; the resumed rank logs steps 1-3 from the jsonl."""
+    import shutil
+
+    cfg = _cfg(tmp_path, "wandb")
+    first = Monitor(cfg, "trainer0")
+    _log(first, range(1, 6))
+    first.close()
+    run_id = json.loads((tmp_path / "metrics" / "trainer0.trackers.json").read_text())["wandb"]
+    for lost in (tmp_path / "wandb").glob(f"offline-run-*-{run_id}"):
+        shutil.rmtree(lost)
+    second = Monitor(cfg, "trainer0", resume_step=4)
+    _log(second, range(4, 7))
+    second.close()
+    rows = history(str(tmp_path), run_id)
+    assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[0] == {"_step": 1, **STEPS[0]}

@@ -5,11 +5,15 @@
 `monitor.wandb.mode=offline` (the default: compute nodes often have no internet) writes
 `<run dir>/wandb/offline-run-*` for `wandb sync` to upload later; `online` streams. A resumed rank
 reuses its run id (in `metrics/<rank>.trackers.json`), so `wandb sync` of every attempt's folder
-fills one run, each step once: offline, it skips the steps the earlier attempts' files hold.
+fills one run, each step once: offline, it skips the steps the earlier attempts' files hold, and
+first logs again, from the jsonl, the steps before its checkpoint that a killed attempt had not
+written out.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import secrets
 from typing import Any
@@ -31,17 +35,23 @@ class WandbTracker:
         # a resumed offline run goes on after the last step its earlier attempts' files hold (a run
         # killed -9 may hold fewer steps than its jsonl); online, W&B's server itself drops steps at
         # or below its last one
-        self.logged_through = -1
+        self.logged_through, backfill = -1, []
         if run.resume_step is not None and conf.mode == "offline":
             from rft.runtime.trackers.wandb_files import history
 
             self.logged_through = max((row["_step"] for row in history(run.run_dir, run_id)), default=-1)
+            # W&B's service writes its files behind the run: a rank killed -9 loses the steps it had
+            # not written yet, also from before the checkpoint, which the resumed rank never logs
+            # again. The jsonl has them (its steps from the checkpoint on are already dropped).
+            backfill = [row for row in _jsonl(run) if row.get("step", 0) > self.logged_through]
         self.run = wandb.init(
             project=conf.project, entity=conf.entity, dir=run.run_dir, id=run_id, name=run.name, group=run.group,
             job_type=re.sub(r"\d+$", "", run.rank_name), tags=list(conf.tags), resume="allow", mode=conf.mode,
             config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), reinit="create_new",
             # the rank's stdout is its log file, not W&B's; its CPU sampling would cost the rank cycles
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=60))
+        for row in backfill:
+            self.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")})
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if step > self.logged_through:
@@ -53,3 +63,12 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
+
+
+def _jsonl(run: TrackedRun) -> list[dict]:
+    """The rank's metrics/<rank>.jsonl rows (read here: rft.runtime.monitor imports the trackers)."""
+    path = os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rft.registry import Registry
+from rft.runtime.storage import write_text_atomic
 
 TRACKERS = Registry("experiment tracker", params=("log", "flush", "close"), is_class=True)
 
@@ -61,10 +62,7 @@ class TrackedRun:
         if os.path.exists(self.ids_path):
             with open(self.ids_path) as f:
                 ids = json.load(f)
-        tmp = f"{self.ids_path}.tmp{os.getpid()}"  # whole or absent: a crash never leaves half an id file
-        with open(tmp, "w") as f:
-            json.dump({**ids, tracker: run_id}, f)
-        os.replace(tmp, self.ids_path)
+        write_text_atomic(self.ids_path, json.dumps({**ids, tracker: run_id}), f"the {tracker} run id of {self.rank_name}")
 
 
 def flat_params(cfg: Any) -> dict[str, str]:

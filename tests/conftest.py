@@ -29,12 +29,27 @@ def gsm8k_dir() -> str:
 
 
 @pytest.fixture(scope="session")
-def quickstart_run(tmp_path_factory) -> tuple[str, str]:
+def quickstart_run(tmp_path_factory, worker_id) -> tuple[str, str]:
     """The quickstart with shortened stages, on this machine: (run dir, launcher stdout). It exports
     its model half way through SFT, at SFT's end (`exported_sft_model`) and at the run's end
     (`exported_grpo_model`), so that tests of GRPO variants (LoRA, two engines on Slurm, the
-    presets) need no SFT warm-up of their own, and distillation has a student and a teacher."""
-    run_dir = str(tmp_path_factory.mktemp("quickstart"))
+    presets) need no SFT warm-up of their own, and distillation has a student and a teacher.
+
+    Under pytest-xdist (`-n 2`) each worker is a session of its own: the first to ask runs it under
+    a file lock in the directory the workers share, the others wait for it and read its result."""
+    if worker_id == "master":
+        return _run_quickstart(str(tmp_path_factory.mktemp("quickstart")))
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp().parent  # pytest-N/, above each worker's popen-gwK/
+    stdout_file = shared / "quickstart.stdout"
+    with FileLock(str(shared / "quickstart.lock")):
+        if not stdout_file.exists():
+            stdout_file.write_text(_run_quickstart(str(shared / "quickstart"))[1])
+    return str(shared / "quickstart"), stdout_file.read_text()
+
+
+def _run_quickstart(run_dir: str) -> tuple[str, str]:
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}",
                     f"stages.0.trainer.max_steps={QUICKSTART_SFT_STEPS}",
                     f"stages.1.trainer.max_steps={QUICKSTART_GRPO_STEPS}",
@@ -68,8 +83,26 @@ def exported_grpo_model(quickstart_run) -> str:
     return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS + QUICKSTART_GRPO_STEPS)
 
 
+# The order the suite runs in, and with pytest-xdist (README: `-n 2 --dist loadgroup`) what runs
+# together: tests/slurm first, as one group (its tests share one Slurm on fixed ports, and mostly
+# wait on Slurm, so they overlap well with CPU-bound tests on the other worker); then each file as a
+# group of its own (its module fixtures are built once), the long launches of e2e and dist before
+# the many short unit files that even out the two workers' ends.
+_FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` run where CUDA is present and are skipped elsewhere (CI, laptops)."""
+    """Groups and orders the tests (above); tests marked `gpu` run where CUDA is present and are
+    skipped elsewhere (CI, laptops)."""
+    def folder_rank(item) -> int:
+        path = item.nodeid.split("::", 1)[0]
+        return next((i for i, folder in enumerate(_FOLDER_ORDER) if path.startswith(folder + "/")), len(_FOLDER_ORDER))
+
+    items.sort(key=folder_rank)  # stable: each file's own order is kept
+    for item in items:
+        path = item.nodeid.split("::", 1)[0]
+        item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
     import torch
 
     if torch.cuda.is_available():

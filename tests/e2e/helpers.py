@@ -23,6 +23,9 @@ def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = No
     launcher's environment (default: this process's), e.g. another Slurm's SLURM_CONF."""
     if not any(o.startswith("cluster=") for o in overrides):
         overrides = ("cluster=local", *overrides)
+    if not any(o.startswith("monitor.plots=") for o in overrides):
+        # drawing costs a launch about 3 s (matplotlib); the tests of plots ask for them
+        overrides = (*overrides, "monitor.plots=false")
     args = [sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"]
     launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:

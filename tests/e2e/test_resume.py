@@ -72,7 +72,7 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
     run_dir = tmp_path / "run"
     with mlflow_server(tmp_path / "mlflow") as tracking_uri:
         overrides = [*_overrides(run_dir, offset), "monitor.loggers=[tensorboard,mlflow,wandb]",
-                     f"monitor.mlflow.tracking_uri={tracking_uri}"]
+                     f"monitor.mlflow.tracking_uri={tracking_uri}", "monitor.plots=true"]
         first_ids = _killed_and_resumed(run_dir, overrides, offset, uninterrupted)
         for rank in TRACKED:
             tracked = tracked_steps(run_dir, rank, tracking_uri)

@@ -33,7 +33,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rft.runtime.monitor import read_jsonl  # noqa: E402
+from rft.runtime.storage import read_jsonl  # noqa: E402
 
 
 def run(sft_steps: int, grpo_steps: int, setting: str, out: str, extra: list[str]) -> dict:

@@ -52,7 +52,7 @@ import torch  # noqa: E402
 from bench_quickstart import print_splits, step_splits  # noqa: E402
 from bench_weight_sync import resolve_model  # noqa: E402
 
-from rft.runtime.monitor import read_jsonl  # noqa: E402
+from rft.runtime.storage import read_jsonl  # noqa: E402
 
 
 def write_tasks(path: str, count: int, seed: int = 0) -> list[dict[str, str]]:

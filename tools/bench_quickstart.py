@@ -23,7 +23,7 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from rft.runtime.monitor import read_jsonl  # noqa: E402
+from rft.runtime.storage import read_jsonl  # noqa: E402
 
 
 def step_splits(run_dir: str, stage: str | None = None) -> list[tuple[int, dict[str, float]]]:

@@ -204,7 +204,7 @@ def check_run(run_dir: str, grpo_steps: int, sft_steps: int = SFT_STEPS, produce
     once), shards consumed that no step wrote, and trainer steps not logged exactly once.
     `trainer_dir`: where the trainer's metrics are, if not in `run_dir` (a decoupled run's trainer job)."""
     from rft.buffer.shards import ExperienceBuffer
-    from rft.runtime.monitor import read_jsonl
+    from rft.runtime.storage import read_jsonl
 
     buffer = ExperienceBuffer(os.path.join(run_dir, "buffer"))
     expected = {f"step{s:08d}-p{producer:03d}.parquet" for s in range(sft_steps, sft_steps + grpo_steps)}

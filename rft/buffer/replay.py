@@ -35,7 +35,8 @@ import pyarrow.compute as pc
 from rft.buffer.shards import ExperienceBuffer, ShardCorruptError
 from rft.config import ReplayConfig
 from rft.registry import Registry
-from rft.runtime.monitor import append_jsonl, drop_from_step
+from rft.runtime.monitor import drop_from_step
+from rft.runtime.storage import append_jsonl
 
 PRIORITIES = Registry("replay priority", params=("entry", "step", "config"), returns="float (0: not eligible)")
 LOG = "replay.jsonl"

@@ -65,7 +65,8 @@ from rft.runtime import faults
 from rft.runtime.checkpoint import Resume
 from rft.runtime.colocation import EngineSleep
 from rft.runtime.control import Runtime, Stage, Step
-from rft.runtime.monitor import append_jsonl, drop_from_step, eval_path
+from rft.runtime.monitor import drop_from_step, eval_path
+from rft.runtime.storage import append_jsonl
 from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.schedule import free_running, is_eval_step
 from rft.runtime.state import Value

@@ -26,7 +26,8 @@ from rft.config import RFTConfig
 from rft.explorer.dealer import Dealer
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
 from rft.explorer.vllm_engine import LoopThread, RolloutEngine
-from rft.runtime.monitor import Monitor, rank_summary_path, read_jsonl, write_json_atomic
+from rft.runtime.monitor import Monitor, rank_summary_path, write_json_atomic
+from rft.runtime.storage import read_jsonl
 from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.topology import Topology
 from rft.weights.engines import newest_complete_version, version_dir

@@ -17,7 +17,8 @@ from rft.launch.console import console
 from rft.launch.failures import (EngineLosses, RankFailure, cut_off_from_rank0, cut_off_rank, find_failures, root_cause,
                                  silent_rank, stopped_responding)
 from rft.launch.job_state import local_rank_alive
-from rft.runtime.monitor import eval_path, progress_path, rank_summary_path, read_jsonl
+from rft.runtime.monitor import eval_path, progress_path, rank_summary_path
+from rft.runtime.storage import read_jsonl
 from rft.runtime.pulse import PULSE_S, SILENT_S
 
 

@@ -4,14 +4,14 @@ fed from): per stage, per scalar, the steps and values; what a plot draws."""
 from __future__ import annotations
 
 import glob
-import json
 import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 
 import yaml
 
-from rft.runtime.monitor import read_jsonl
+from rft.config.flatten import flatten
+from rft.runtime.storage import read_jsonl
 
 
 @dataclass
@@ -93,17 +93,4 @@ def run_config(run_dir: str) -> dict:
 
 def flat_config(run_dir: str) -> dict[str, str]:
     """`section.key` -> value text of the run's config, stages flattened as `stages.<name>.<key>`."""
-    out: dict[str, str] = {}
-
-    def walk(node, prefix: str) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                walk(value, f"{prefix}{key}.")
-        elif isinstance(node, list) and node and all(isinstance(s, dict) and "name" in s for s in node):
-            for stage in node:
-                walk({k: v for k, v in stage.items() if k != "name"}, f"{prefix}{stage['name']}.")
-        else:
-            out[prefix[:-1]] = json.dumps(node) if isinstance(node, list) else str(node)
-
-    walk(run_config(run_dir), "")
-    return out
+    return flatten(run_config(run_dir))

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 from rft.config import RFTConfig
-from rft.runtime.monitor import append_jsonl
+from rft.runtime.storage import append_jsonl
 from rft.runtime.topology import Topology
 
 STARTED = "colocate/started/{engine}"

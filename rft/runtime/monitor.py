@@ -12,6 +12,8 @@ import os
 import time
 from typing import Any
 
+from rft.runtime.storage import append_jsonl, read_jsonl
+
 
 def peak_rss_gb() -> float:
     """This process's peak resident memory in GiB (Linux reports ru_maxrss in KiB)."""
@@ -25,18 +27,6 @@ def write_json_atomic(path: str, payload: Any) -> None:
     with open(tmp, "w") as f:
         json.dump(payload, f)
     os.replace(tmp, path)
-
-
-def append_jsonl(path: str, payload: dict) -> None:
-    with open(path, "a") as f:
-        f.write(json.dumps(payload) + "\n")
-
-
-def read_jsonl(path: str) -> list[dict]:
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
 
 
 def drop_from_step(path: str, step: int) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import socket
 from collections.abc import Iterator
@@ -81,3 +82,16 @@ def _full(err: BaseException | None) -> int | None:
             return err.errno
         err, seen = err.__cause__ or err.__context__, seen + 1
     return None
+
+
+def append_jsonl(path: str, payload: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(payload) + "\n")
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """The rows of a JSON-lines file ([] if it does not exist); blank lines are skipped."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

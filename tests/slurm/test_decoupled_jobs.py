@@ -17,7 +17,7 @@ from tests.e2e.helpers import REPO
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from chaos import check_run  # noqa: E402
 
-from rft.runtime.monitor import read_jsonl  # noqa: E402
+from rft.runtime.storage import read_jsonl  # noqa: E402
 
 STEPS, LEAD, SAVE_EVERY = 18, 1, 2
 STAGE = f"stages=[{{name: grpo, algorithm: {{name: grpo, lr: 3.0e-4, clip_eps: 0.2}}, trainer: {{max_steps: {STEPS}}}}}]"

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from rft.config import RFTConfig
-from rft.runtime.monitor import Monitor, read_jsonl
+from rft.runtime.monitor import Monitor
+from rft.runtime.storage import read_jsonl
 from rft.runtime.trackers import check_trackers
 from rft.runtime.trackers.wandb_files import history
 from tests.e2e.helpers import tensorboard_scalars

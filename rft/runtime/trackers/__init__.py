@@ -69,17 +69,9 @@ def flat_params(cfg: Any) -> dict[str, str]:
     """The resolved config as `section.key` -> value text: what trackers log as parameters."""
     from omegaconf import OmegaConf
 
-    out: dict[str, str] = {}
+    from rft.config.flatten import flatten
 
-    def walk(node: Any, prefix: str) -> None:
-        if isinstance(node, dict) and node:
-            for key, value in node.items():
-                walk(value, f"{prefix}{key}.")
-        else:
-            out[prefix[:-1]] = json.dumps(node) if isinstance(node, (list, dict)) else str(node)
-
-    walk(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), "")
-    return out
+    return flatten(OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True))
 
 
 class Trackers:

@@ -12,12 +12,12 @@ written out.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import secrets
 from typing import Any
 
+from rft.runtime.storage import read_jsonl
 from rft.runtime.trackers import TRACKERS, TrackedRun
 
 
@@ -66,9 +66,5 @@ class WandbTracker:
 
 
 def _jsonl(run: TrackedRun) -> list[dict]:
-    """The rank's metrics/<rank>.jsonl rows (read here: rft.runtime.monitor imports the trackers)."""
-    path = os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The rank's metrics/<rank>.jsonl rows."""
+    return read_jsonl(os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl"))

@@ -83,26 +83,39 @@ def exported_grpo_model(quickstart_run) -> str:
     return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS + QUICKSTART_GRPO_STEPS)
 
 
-# The order the suite runs in, and with pytest-xdist (README: `-n 2 --dist loadgroup`) what runs
-# together: tests/slurm first, as one group (its tests share one Slurm on fixed ports, and mostly
-# wait on Slurm, so they overlap well with CPU-bound tests on the other worker); then each file as a
-# group of its own (its module fixtures are built once), the long launches of e2e and dist before
-# the many short unit files that even out the two workers' ends.
+# The order the suite runs in, and with pytest-xdist (README: `pytest -n 2`; pyproject's addopts give
+# `--dist loadfile`) what runs together: tests/slurm first, as one unit of work (its files share one
+# Slurm on fixed ports, started and stopped by a session fixture, and mostly wait on Slurm, so they
+# overlap well with CPU-bound tests on the other worker); then each file as a unit (its module
+# fixtures are built once), the long launches of e2e and dist before the many short unit files that
+# even out the two workers' ends.
 _FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
+_ONE_UNIT = "tests/slurm/"
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's worker hook reads the xdist_group marks
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's per-file scheduling with tests/slurm as one unit. (xdist's own `loadgroup` would do it
+    from marks, but it renames node ids in a way pytest 9.2 no longer sees: the groups were split.)"""
+    if config.getvalue("dist") != "loadfile":
+        return None  # another --dist given on the command line: xdist's own
+    from xdist.scheduler import LoadFileScheduling
+
+    class FileOrSlurmScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return _ONE_UNIT if path.startswith(_ONE_UNIT) else path
+
+    return FileOrSlurmScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
-    """Groups and orders the tests (above); tests marked `gpu` run where CUDA is present and are
-    skipped elsewhere (CI, laptops)."""
+    """Orders the tests (above); tests marked `gpu` run where CUDA is present and are skipped
+    elsewhere (CI, laptops)."""
     def folder_rank(item) -> int:
         path = item.nodeid.split("::", 1)[0]
         return next((i for i, folder in enumerate(_FOLDER_ORDER) if path.startswith(folder + "/")), len(_FOLDER_ORDER))
 
     items.sort(key=folder_rank)  # stable: each file's own order is kept
-    for item in items:
-        path = item.nodeid.split("::", 1)[0]
-        item.add_marker(pytest.mark.xdist_group("slurm" if path.startswith("tests/slurm/") else path))
     import torch
 
     if torch.cuda.is_available():

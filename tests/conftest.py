@@ -111,11 +111,18 @@ def pytest_xdist_make_scheduler(config, log):
 def pytest_collection_modifyitems(config, items):
     """Orders the tests (above); tests marked `gpu` run where CUDA is present and are skipped
     elsewhere (CI, laptops)."""
-    def folder_rank(item) -> int:
-        path = item.nodeid.split("::", 1)[0]
-        return next((i for i, folder in enumerate(_FOLDER_ORDER) if path.startswith(folder + "/")), len(_FOLDER_ORDER))
+    def path(item) -> str:
+        return item.nodeid.split("::", 1)[0]
 
-    items.sort(key=folder_rank)  # stable: each file's own order is kept
+    # outside tests/slurm, files that need the quickstart run come after those that do not: while
+    # tests/slurm's first test makes it on one worker, the other has other work than to wait
+    waits = {path(item) for item in items if "quickstart_run" in item.fixturenames and not path(item).startswith(_ONE_UNIT)}
+
+    def order(item) -> tuple[int, bool]:
+        folder = next((i for i, f in enumerate(_FOLDER_ORDER) if path(item).startswith(f + "/")), len(_FOLDER_ORDER))
+        return folder, path(item) in waits
+
+    items.sort(key=order)  # stable: within a file, its own order
     import torch
 
     if torch.cuda.is_available():

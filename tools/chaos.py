@@ -63,7 +63,12 @@ def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...
     return [*extra, "+experiment=quickstart", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
             f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
             f"stages.1.trainer.max_steps={grpo_steps}", "cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2",
-            f"sync.timeout_s={TIMEOUT_S}"] + (["cluster.wait=true"] if cluster == "slurm" else [])
+            f"sync.timeout_s={TIMEOUT_S}",
+            # the SFT stage only brings the model to where GRPO groups have a reward spread (so that
+            # GRPO steps train): 64 rows a step, as the quickstart's warm-up had before its recipe
+            # went to 256 for learning carries, and one checkpoint at its end, not every SAVE_EVERY
+            "stages.0.trainer.sft_batch_size=64", f"++stages.0.trainer.save_interval={SFT_STEPS}",
+            "monitor.plots=false"] + (["cluster.wait=true"] if cluster == "slurm" else [])
 
 
 def schedule(count: int, kinds: list[str], seed: int, spacing: int = SAVE_EVERY) -> list[tuple[str, int, int | None]]:

@@ -28,7 +28,10 @@ def _overrides(run_dir) -> list[str]:
             f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
             f"stages.1.trainer.max_steps={GRPO_STEPS}", "+stages.1.data.selector.name=difficulty",
             f"buffer.replay.groups_per_step={GROUPS_PER_STEP}", "buffer.replay.max_uses=2",
-            "buffer.operators=[dedup,{name: length_penalty, max_tokens: 6, buffer_tokens: 2}]"]
+            "buffer.operators=[dedup,{name: length_penalty, max_tokens: 6, buffer_tokens: 2}]",
+            # the warm-up only has to make GRPO groups with a reward spread: 64 rows a step (the
+            # recipe's 256 are for learning carries), one checkpoint at its end
+            "stages.0.trainer.sft_batch_size=64", f"++stages.0.trainer.save_interval={SFT_STEPS}"]
 
 
 def selections(run_dir) -> dict[str, list[str]]:

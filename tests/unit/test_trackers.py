@@ -100,6 +100,21 @@ def test_every_tracker_gets_every_scalar_once_and_a_resumed_rank_goes_on_in_the_
     assert RECEIVED[0] == ("unit/run/trainer0", 1, STEPS[0])
 
 
+def test_a_run_that_never_checkpoints_keeps_a_bounded_number_of_mlflow_batches_in_flight(tmp_path, monkeypatch):
+    import rft.runtime.trackers.mlflow_tracker as mlflow_tracker
+
+    monkeypatch.setattr(mlflow_tracker, "MAX_PENDING", 2)
+    monitor = Monitor(_cfg(tmp_path, "mlflow"), "trainer0")
+    tracker = monitor.trackers.get("mlflow")
+    in_flight = []
+    for step in range(1, 6):
+        monitor.log(step, STEPS[step - 1], "grpo")
+        in_flight.append(len(tracker.pending))
+    monitor.close()
+    assert max(in_flight) < 2, in_flight
+    assert _mlflow_steps(tmp_path, "trainer0")[1] == {key: [1, 2, 3, 4, 5] for key in STEPS[0]}
+
+
 def test_an_unreachable_server_costs_one_warning_and_the_scalars_stay(tmp_path, capfd):
     cfg = _cfg(tmp_path, "tensorboard", "mlflow")
     cfg.monitor.mlflow.tracking_uri = "http://127.0.0.1:9"  # the discard port: nothing listens

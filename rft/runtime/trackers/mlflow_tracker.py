@@ -21,6 +21,7 @@ from rft.runtime.trackers import TRACKERS, TrackedRun, flat_params
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
 PARAMS_PER_BATCH = 100  # MLflow's limit on parameters per log_batch
+MAX_PENDING = 256  # asynchronous batches in flight before log() waits on them (flush, before a checkpoint, also does)
 
 
 def tracking_uri(cfg: Any) -> str:
@@ -92,6 +93,8 @@ class MlflowTracker:
                    if step > self.logged.get(key, -1)]
         if metrics:
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        if len(self.pending) >= MAX_PENDING:  # a run that never checkpoints would keep every handle
+            self.flush()
 
     def flush(self) -> None:
         # each batch's own handle: mlflow.flush_async_logging() would open MLflow's default store

@@ -68,7 +68,8 @@ def main() -> None:
     from rft.trainer.microbatches import microbatches, pair_microbatches
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))

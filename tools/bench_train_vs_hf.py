@@ -115,7 +115,8 @@ def rft_step_fn(model_dir: str, prompts, responses, micro_batch: int, pad_id: in
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     samples = len(prompts) // len({tuple(p) for p in prompts}) or 1
     batch = StepBatch(prompt_ids=prompts, response_ids=responses,

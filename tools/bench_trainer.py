@@ -39,7 +39,7 @@ from bench_weight_sync import resolve_model  # noqa: E402
 
 
 def random_batch(rows: int, prompt_len: int, response_len: int, vocab: int, seed: int = 0):
-    from rft.trainer.train_step import StepBatch
+    from rft.trainer.step_batch import StepBatch
 
     gen = torch.Generator().manual_seed(seed)
     lengths = torch.randint(response_len // 2, response_len + 1, (rows,), generator=gen).tolist()

@@ -131,7 +131,8 @@ def trainer_rank(rank: int, world: int, cfg: RFTConfig, port: int, scratch: str,
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     if torch.cuda.is_available():  # vLLM holds GPU 0; NCCL wants one GPU per rank
         torch.cuda.set_device((1 + rank) % torch.cuda.device_count())

@@ -18,7 +18,7 @@ from rft.data.chat_format import chat_format, conversation_ids
 from rft.data.prompts import format_prompt, reference_response
 from rft.data.taskset import Task, TaskCursor
 from rft.runtime.topology import Topology
-from rft.trainer.train_step import StepBatch
+from rft.trainer.step_batch import StepBatch
 
 
 def experience_batch(table, replay_routes: bool = False) -> tuple[StepBatch, dict[str, float]]:

@@ -14,7 +14,7 @@ GAE turns into advantages and returns), the policy steps, then `update` takes on
 
 Alignment: V(s_t) for response token t is the value at the position that predicts t, the same
 position whose logit scores t (verl: values[:, -response_length - 1:-1]); so values live on the
-loss mask's positions and `_place` / `_response_part` map them like logprobs.
+loss mask's positions and `place_in_microbatch` / `take_from_microbatch` map them like logprobs.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from rft.trainer.forward import Microbatch, gather_sequence
 from rft.trainer.devices import collective_device
 from rft.trainer.optimizer import build_optimizer
 from rft.trainer.pipeline import forward_pipelined
-from rft.trainer.train_step import StepBatch, _dp, _place, _response_part, backward_and_step, step_scalars
+from rft.trainer.step_batch import StepBatch, place_in_microbatch, take_from_microbatch
+from rft.trainer.train_step import _dp, backward_and_step, step_scalars
 
 
 class ValueHead(torch.nn.Module):
@@ -123,7 +124,7 @@ class Critic:
         width = max((len(r) for r in batch.response_ids), default=0)
         full = torch.zeros(len(batch.response_ids), width)
         for idx, packed in zip(chunks, out):
-            _response_part(batch, idx, packed.cpu(), full)
+            take_from_microbatch(batch, idx, packed.cpu(), full)
         _, dp_size, dp_group = _dp()
         if dp_size > 1:
             on_wire = full.to(collective_device())
@@ -143,8 +144,8 @@ class Critic:
 
         def loss_fn(m: int, mb: Microbatch, values: torch.Tensor) -> torch.Tensor:
             mask = mb.loss_mask
-            old = _place(batch, chunks[m], old_values, values)
-            target = _place(batch, chunks[m], returns, values)
+            old = place_in_microbatch(batch, chunks[m], old_values, values)
+            target = place_in_microbatch(batch, chunks[m], returns, values)
             per_token, metrics = clipped_value_loss(values, old, target, mask, algo.value_clip)
             tokens = mask.sum().item()
             sums["critic/value_loss"] += masked_token_mean(per_token, mask).item() * tokens

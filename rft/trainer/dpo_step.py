@@ -18,7 +18,8 @@ from rft.trainer.flops import FORWARD, FORWARD_BACKWARD, parameter_count
 from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import pair_microbatches
 from rft.trainer.pipeline import forward_logprobs_pipelined
-from rft.trainer.train_step import StepBatch, _dp, backward_and_step, step_scalars
+from rft.trainer.step_batch import StepBatch
+from rft.trainer.train_step import _dp, backward_and_step, step_scalars
 
 
 def _sequence_sums(logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp, pp, vpp)
     policy, geo = build_gpt_model(model_dir)

@@ -40,7 +40,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, ep: int, port: int, model_d
     from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import forward_logprobs_pipelined
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp, pp, ep=ep)
     model, geo = build_gpt_model(model_dir)

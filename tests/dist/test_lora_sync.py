@@ -28,7 +28,8 @@ def _trainer(rank: int, world: int, cfg, port: int, out: str) -> None:
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
     model, geo = build_gpt_model(cfg.model.path)

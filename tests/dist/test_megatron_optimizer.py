@@ -26,7 +26,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str, distributed: bool) -
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.megatron_optimizer import MegatronOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     # the resume check compares bits: CUDA's deterministic kernels where torch has them
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -32,7 +32,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, vpp: int, port: int, model_
     from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.megatron_optimizer import MegatronOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp, pp, vpp)
     model, geo = build_gpt_model(model_dir)

@@ -18,7 +18,8 @@ def _trainer(rank: int, world: int, model_dir: str, experiences_path: str, out: 
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp=1, pp=1)
     model, geo = build_gpt_model(model_dir)

@@ -51,7 +51,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, ep: int, packed: bool, port
     from rft.trainer.moe import routers
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp, pp, ep=ep)
     model, geo = build_gpt_model(model_dir)

@@ -23,7 +23,8 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
     from rft.trainer.megatron_optimizer import MegatronOptimizer
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.sharded_state import ShardedModel
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_gloo(rank, world, port, tp, pp)
     model, geo = build_gpt_model(model_dir, "bfloat16")  # fp32 masters of bf16 weights: both must move

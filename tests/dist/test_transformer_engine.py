@@ -27,7 +27,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from rft.trainer.hf_weights import export_hf_weights, load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.optimizer import build_optimizer
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
     from rft.weights.hf_megatron import local_spec_name
 
     init_one_rank(port)

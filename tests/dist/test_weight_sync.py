@@ -45,7 +45,8 @@ def _trainer(rank: int, world: int, cfg: RFTConfig, port: int, out: str) -> None
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
     from rft.trainer.publisher import WeightPublisher
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     if cfg.sync.engine == "nccl":  # NCCL needs its ranks on distinct GPUs; vLLM has GPU 0
         os.environ["CUDA_VISIBLE_DEVICES"] = str(1 + rank)

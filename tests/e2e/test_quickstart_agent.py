@@ -58,7 +58,7 @@ def turn_spreads(buffer_dir: str, gamma: float) -> list[float]:
     from rft.algorithms.turn_credit import turn_tensors
     from rft.buffer.experience import from_table
     from rft.config import AlgorithmConfig
-    from rft.trainer.train_step import StepBatch, batch_advantages
+    from rft.trainer.step_batch import StepBatch, batch_advantages
 
     shard = sorted(glob.glob(os.path.join(buffer_dir, "step*.parquet*")))[0]
     batch = StepBatch.from_experiences(from_table(pq.read_table(shard)))

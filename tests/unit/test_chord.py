@@ -10,7 +10,7 @@ import torch
 
 from rft.algorithms.chord import chord_mu, expert_token_loss
 from rft.config import AlgorithmConfig
-from rft.trainer.train_step import StepBatch, batch_advantages
+from rft.trainer.step_batch import StepBatch, batch_advantages
 from tests.unit.one_rank import init_one_rank, run_one_rank
 from tests.unit.test_packing import MASKS, PROMPTS, RESPONSES
 from tests.unit.test_skip_zero_advantage import EveryStepOptimizer

@@ -22,7 +22,7 @@ ALGO = dict(advantage="gae", policy_loss="ppo", gamma=1.0, lam=0.95, critic_lr=1
 
 
 def _batch():
-    from rft.trainer.train_step import StepBatch
+    from rft.trainer.step_batch import StepBatch
 
     return StepBatch(prompt_ids=PROMPTS, response_ids=RESPONSES, rewards=REWARDS,
                      old_logprobs=[[0.0] * len(r) for r in RESPONSES], group_ids=list(range(len(RESPONSES))))
@@ -37,7 +37,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
     from rft.trainer.optimizer import build_optimizer
     from rft.trainer.pipeline import forward_logprobs_pipelined
-    from rft.trainer.train_step import _response_part, _response_tensors, train_step
+    from rft.trainer.step_batch import response_tensors, take_from_microbatch
+    from rft.trainer.train_step import train_step
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -50,7 +51,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     chunks = [[0, 1], [2, 3]]
     mbs = [pack_microbatch([PROMPTS[i] for i in idx], [RESPONSES[i] for i in idx], 0, torch.device("cpu"))
            for idx in chunks]
-    mask, _ = _response_tensors(batch)
+    mask, _ = response_tensors(batch)
     res = {"mask": mask}
 
     critic = Critic.build(model_dir, "float32", policy, algo, seed=0)
@@ -90,7 +91,7 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     logprobs = forward_logprobs_pipelined(policy, mbs)
     own = torch.zeros_like(mask)
     for idx, lp in zip(chunks, logprobs):
-        _response_part(batch, idx, lp, own)
+        take_from_microbatch(batch, idx, lp, own)
     batch.old_logprobs = [own[i, : len(r)].tolist() for i, r in enumerate(RESPONSES)]
     res["ppo_values_before"] = critic.values(batch, chunks, mbs)
     optimizer = build_optimizer(policy, lr=algo.lr)

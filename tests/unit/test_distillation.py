@@ -12,7 +12,7 @@ import torch
 from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from rft.buffer.experience import Experience, from_table, to_table
 from rft.config.checks import validate
-from rft.trainer.train_step import StepBatch, batch_advantages, teacher_scalars
+from rft.trainer.step_batch import StepBatch, batch_advantages, teacher_scalars
 from tests.openai_stub import OpenAIStub
 from tests.unit.test_config import compose_cfg
 

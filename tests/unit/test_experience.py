@@ -9,7 +9,7 @@ import torch
 from rft.buffer.experience import SCHEMA, Experience, check_table, from_table, to_table
 from rft.buffer.shards import ExperienceBuffer
 from rft.config import AlgorithmConfig
-from rft.trainer.train_step import StepBatch, batch_advantages
+from rft.trainer.step_batch import StepBatch, batch_advantages
 
 
 def two_turns(reward: float, group: str, trajectory: str, step_index: int = 0) -> Experience:

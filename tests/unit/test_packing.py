@@ -56,7 +56,8 @@ def _worker(rank: int, port: int, model_dir: str, out: str) -> None:
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
     from rft.trainer.pipeline import LogprobsHead
-    from rft.trainer.train_step import StepBatch, train_step
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
 
     init_one_rank(port)
     model, geo = build_gpt_model(model_dir)
@@ -120,7 +121,7 @@ def _dpo_steps(model, model_dir: str, geo, res: dict) -> None:
     from rft.trainer.forward import forward_logprobs, pack_microbatch
     from rft.trainer.hf_weights import load_hf_weights
     from rft.trainer.model import build_gpt_model, load_hf_state
-    from rft.trainer.train_step import StepBatch
+    from rft.trainer.step_batch import StepBatch
 
     ref, _ = build_gpt_model(model_dir)
     load_hf_weights(ref, load_hf_state(model_dir), geo)

@@ -12,7 +12,7 @@ from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs
 from rft.algorithms.turn_credit import turn_tensors
 from rft.buffer.experience import Experience
 from rft.config import AlgorithmConfig
-from rft.trainer.train_step import StepBatch, batch_advantages
+from rft.trainer.step_batch import StepBatch, batch_advantages
 
 GAMMA = 0.5
 EPS = 1e-6

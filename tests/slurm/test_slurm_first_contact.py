@@ -10,7 +10,8 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "e2e"))
 from helpers import launch  # noqa: E402
 
-SHORT = ["+experiment=quickstart", "stages.0.trainer.max_steps=20", "stages.1.trainer.max_steps=2"]
+SHORT = ["+experiment=quickstart", "stages.0.trainer.max_steps=20", "stages.1.trainer.max_steps=2",
+         "stages.0.trainer.sft_batch_size=64"]  # what is tested is before and around the run, not learning
 
 
 def test_gpu_model_is_refused_on_a_cpu_partition(slurm, tmp_path):

@@ -29,7 +29,10 @@ def test_signal_mid_run_saves_requeues_and_resumes(two_nodes, tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
            "cluster.nodes=2", f"run.output_dir={run_dir}", "monitor.progress=false",
-           f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}"]
+           f"stages.0.trainer.max_steps={SFT_STEPS}", f"stages.1.trainer.max_steps={GRPO_STEPS}",
+           # the warm-up only has to make GRPO groups with a reward spread (every step must train):
+           # 64 rows a step, the recipe's 256 are for learning carries
+           "stages.0.trainer.sft_batch_size=64", "monitor.plots=false"]
     launcher = subprocess.Popen(cmd, cwd=REPO, env=two_nodes, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:

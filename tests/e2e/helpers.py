@@ -6,6 +6,7 @@ import contextlib
 import glob
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -168,8 +169,12 @@ def mlflow_server(store_dir) -> Iterator[str]:
             time.sleep(0.5)
         yield url
     finally:
-        os.killpg(server.pid, 15)
-        server.wait(timeout=30)
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # its workers did not wind down in time (seen on a loaded machine)
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def tracked_steps(run_dir, rank: str, tracking_uri: str) -> dict[str, dict[str, list[int]]]:

@@ -9,8 +9,13 @@ import math
 import subprocess
 import sys
 
+import pytest
+
 from tests.dist.dist_models import create_family_model
 from tests.e2e.helpers import REPO
+
+# four launches; each family's weight mapping is also checked by tests/dist/test_hf_megatron.py
+pytestmark = pytest.mark.heavy
 
 FAMILIES = ["llama3", "qwen2_yarn", "qwen3", "qwen3_moe"]
 STEPS = 2

@@ -8,6 +8,9 @@ import pytest
 
 from tests.e2e.helpers import launch, tensorboard_scalars
 
+# SmolLM2-135M on GSM8K through the launcher; the model's preparation is also checked by test_smollm2_prepare
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def smollm2_dir() -> str:

@@ -20,6 +20,9 @@ import yaml
 
 from tests.e2e.helpers import launch, tensorboard_scalars
 
+# the whole agent recipe (about 5 min); multi-turn workflows and per-turn credit also run in test_workflows and tests/unit
+pytestmark = pytest.mark.heavy
+
 
 @pytest.mark.slow
 def test_quickstart_agent_learns_the_grid_world(tmp_path):

@@ -111,6 +111,7 @@ def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
     return {"run_dir": run_dir, "cut": cut, "crashed": crashed, "resumed": _launch(two_nodes, *args)}
 
 
+@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(partitioned_crashed_and_resumed, two_nodes):
     run_dir, result = partitioned_crashed_and_resumed["run_dir"], partitioned_crashed_and_resumed["resumed"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -125,6 +126,7 @@ def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(partit
     assert _steps_on(two_nodes, job_id) == [f"{job_id}.0|node[1-2]|2|COMPLETED"]
 
 
+@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_a_partitioned_node_is_named_within_the_bound(partitioned_crashed_and_resumed):
     """node2's link down: its rank lives on, but rank 0's store stops answering it. Its pulse
     records that, and the launcher names it, its node and its last log lines once that has lasted
@@ -141,6 +143,7 @@ def test_a_partitioned_node_is_named_within_the_bound(partitioned_crashed_and_re
     assert cut["after"] < TIMEOUT_S + 2 * PULSE_S + 15, cut["after"]
 
 
+@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_a_crashed_node_is_named_within_the_bound_and_the_run_resumes_losing_nothing(partitioned_crashed_and_resumed):
     """The trainer's wait for node2 times out after sync.timeout_s; the launcher then names the
     rank that stopped beating, its node, what else ran there and its last log lines. The bound:

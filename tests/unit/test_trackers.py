@@ -100,6 +100,22 @@ def test_every_tracker_gets_every_scalar_once_and_a_resumed_rank_goes_on_in_the_
     assert RECEIVED[0] == ("unit/run/trainer0", 1, STEPS[0])
 
 
+def test_steps_a_killed_rank_never_sent_to_mlflow_are_sent_again_from_the_jsonl(tmp_path):
+    """A kill -9 loses the batches still in flight, also of the checkpoint's step, which the resumed
+    rank does not log again: the resumed tracker sends what the jsonl has and the server lacks."""
+    cfg = _cfg(tmp_path, "mlflow")
+    first = Monitor(cfg, "trainer0")
+    _log(first, range(1, 3))
+    first.flush()
+    lost = first.trackers.active.pop("mlflow")  # step 3 reaches the jsonl, never the server
+    _log(first, range(3, 4))
+    lost.flush()
+    second = Monitor(cfg, "trainer0", resume_step=4)  # the checkpoint after step 3
+    _log(second, range(4, 7))
+    second.close()
+    assert _mlflow_steps(tmp_path, "trainer0")[1] == {key: [1, 2, 3, 4, 5, 6] for key in STEPS[0]}
+
+
 def test_a_run_that_never_checkpoints_keeps_a_bounded_number_of_mlflow_batches_in_flight(tmp_path, monkeypatch):
     import rft.runtime.trackers.mlflow_tracker as mlflow_tracker
 

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Any
 
+from rft.runtime.storage import read_jsonl
 from rft.runtime.trackers import TRACKERS, TrackedRun, flat_params
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
@@ -79,6 +80,14 @@ class MlflowTracker:
             params = [Param(key, value[:MAX_PARAM_CHARS]) for key, value in flat_params(cfg).items()]
             for start in range(0, len(params), PARAMS_PER_BATCH):
                 self.client.log_batch(self.run_id, params=params[start:start + PARAMS_PER_BATCH])
+        if run.resume_step is not None:
+            # batches still in flight when the rank was killed -9 never reached the server, also of
+            # steps up to the checkpoint, which the resumed rank does not log again (seen: the
+            # checkpoint step's own scalars, logged after the flush that precedes its save). The
+            # jsonl has them (its steps from the checkpoint on are already dropped); `log` sends only
+            # what the server lacks.
+            for row in read_jsonl(os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl")):
+                self.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")})
 
     def _logged_steps(self) -> dict[str, int]:
         """metric -> the last step the server holds for it."""

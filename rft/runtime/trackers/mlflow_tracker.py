@@ -89,17 +89,18 @@ class MlflowTracker:
             for row in read_jsonl(os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl")):
                 self.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")})
 
-    def _logged_steps(self) -> dict[str, int]:
-        """metric -> the last step the server holds for it."""
+    def _logged_steps(self) -> dict[str, set[int]]:
+        """metric -> the steps the server holds for it: a set, not the last one, since asynchronous
+        batches can arrive out of order and a killed rank's lost one leaves a gap below its last."""
         keys = self.client.get_run(self.run_id).data.metrics
-        return {key: max(m.step for m in self.client.get_metric_history(self.run_id, key)) for key in keys}
+        return {key: {m.step for m in self.client.get_metric_history(self.run_id, key)} for key in keys}
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         metrics = [Metric(key, float(value), now, step) for key, value in scalars.items()
-                   if step > self.logged.get(key, -1)]
+                   if step not in self.logged.get(key, ())]
         if metrics:
             self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
         if len(self.pending) >= MAX_PENDING:  # a run that never checkpoints would keep every handle

@@ -86,9 +86,10 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
                 logged = [s for s in steps if s in tracked["jsonl"][key]]
                 assert logged == tracked["jsonl"][key], (rank, key, steps)
                 # MLflow cannot delete a point: a scalar the killed attempt logged after the checkpoint
-                # that the resumed run does not log again stays (the torn shard's count, met once)
+                # was saved that the resumed run does not log again stays (the torn shard's count, met
+                # once; the checkpoint step's own weight sync, which comes after its save)
                 extra = [s for s in steps if s not in tracked["jsonl"][key]]
-                assert len(set(extra)) == len(extra) and all(s > CHECKPOINT for s in extra), (rank, key, steps)
+                assert len(set(extra)) == len(extra) and all(s >= CHECKPOINT for s in extra), (rank, key, steps)
         from mlflow import MlflowClient
 
         runs = MlflowClient(tracking_uri).search_runs([MlflowClient(tracking_uri).get_experiment_by_name("quickstart")

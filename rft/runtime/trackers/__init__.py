@@ -57,6 +57,15 @@ class TrackedRun:
         with open(self.ids_path) as f:
             return json.load(f).get(tracker)
 
+    def logged_steps(self) -> list[tuple[int, dict[str, float]]]:
+        """(step, scalars) of every row in the rank's metrics/<rank>.jsonl: what a resumed tracker
+        sends again where its own store lost it (the jsonl's steps from the checkpoint on are already
+        dropped)."""
+        from rft.runtime.storage import read_jsonl
+
+        rows = read_jsonl(os.path.join(self.run_dir, "metrics", f"{self.rank_name}.jsonl"))
+        return [(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")}) for row in rows]
+
     def save_id(self, tracker: str, run_id: str) -> None:
         ids = {}
         if os.path.exists(self.ids_path):

@@ -17,7 +17,6 @@ import os
 import time
 from typing import Any
 
-from rft.runtime.storage import read_jsonl
 from rft.runtime.trackers import TRACKERS, TrackedRun, flat_params
 
 MAX_PARAM_CHARS = 6000  # MLflow's limit on a parameter's value
@@ -86,8 +85,8 @@ class MlflowTracker:
             # checkpoint step's own scalars, logged after the flush that precedes its save). The
             # jsonl has them (its steps from the checkpoint on are already dropped); `log` sends only
             # what the server lacks.
-            for row in read_jsonl(os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl")):
-                self.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")})
+            for step, scalars in run.logged_steps():
+                self.log(step, scalars)
 
     def _logged_steps(self) -> dict[str, set[int]]:
         """metric -> the steps the server holds for it: a set, not the last one, since asynchronous

@@ -12,12 +12,10 @@ written out.
 
 from __future__ import annotations
 
-import os
 import re
 import secrets
 from typing import Any
 
-from rft.runtime.storage import read_jsonl
 from rft.runtime.trackers import TRACKERS, TrackedRun
 
 
@@ -43,15 +41,15 @@ class WandbTracker:
             # W&B's service writes its files behind the run: a rank killed -9 loses the steps it had
             # not written yet, also from before the checkpoint, which the resumed rank never logs
             # again. The jsonl has them (its steps from the checkpoint on are already dropped).
-            backfill = [row for row in _jsonl(run) if row.get("step", 0) > self.logged_through]
+            backfill = [(step, scalars) for step, scalars in run.logged_steps() if step > self.logged_through]
         self.run = wandb.init(
             project=conf.project, entity=conf.entity, dir=run.run_dir, id=run_id, name=run.name, group=run.group,
             job_type=re.sub(r"\d+$", "", run.rank_name), tags=list(conf.tags), resume="allow", mode=conf.mode,
             config=OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True), reinit="create_new",
             # the rank's stdout is its log file, not W&B's; its CPU sampling would cost the rank cycles
             settings=wandb.Settings(console="off", silent=True, x_disable_stats=True, init_timeout=60))
-        for row in backfill:
-            self.log(row["step"], {k: v for k, v in row.items() if k not in ("step", "stage", "time")})
+        for step, scalars in backfill:
+            self.log(step, scalars)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if step > self.logged_through:
@@ -63,8 +61,3 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
-
-
-def _jsonl(run: TrackedRun) -> list[dict]:
-    """The rank's metrics/<rank>.jsonl rows."""
-    return read_jsonl(os.path.join(run.run_dir, "metrics", f"{run.rank_name}.jsonl"))

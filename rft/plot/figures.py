@@ -123,22 +123,27 @@ LEGEND_KEYS = 3  # differing keys named per run in the legend
 
 
 def differing_keys(run_dirs: list[str]) -> list[str]:
-    """The config keys whose values differ between the runs (what a sweep varied)."""
+    """The config keys whose values differ between the runs (what a sweep varied): first those
+    every run sets, then those only some set (runs with other stages), each group sorted."""
     configs = [flat_config(d) for d in run_dirs]
-    keys = sorted(set().union(*configs))
+    keys = sorted(set().union(*configs), key=lambda k: (not all(k in c for c in configs), k))
     return [k for k in keys if not k.startswith(UNINFORMATIVE) and not k.endswith(UNINFORMATIVE)
             and len({c.get(k) for c in configs}) > 1]
 
 
 def run_labels(run_dirs: list[str]) -> list[str]:
-    """`key=value, ...` of the differing keys per run; the directory name where nothing differs."""
+    """`key=value, ...` of the differing keys per run. The directory's name where nothing differs,
+    and in front where more keys differ than the legend names (runs of different recipes, told
+    apart by their names rather than by three of their keys)."""
     keys = differing_keys(run_dirs)
     labels = []
     for run_dir in run_dirs:
         config = flat_config(run_dir)
+        name = os.path.basename(os.path.normpath(run_dir))
         text = ", ".join(f"{k}={config.get(k, '-')[:24]}" for k in keys[:LEGEND_KEYS])
-        text += f" (+{len(keys) - LEGEND_KEYS} more keys differ)" if len(keys) > LEGEND_KEYS else ""
-        labels.append(text or os.path.basename(os.path.normpath(run_dir)))
+        if len(keys) > LEGEND_KEYS:
+            text = f"{name}: {text} (+{len(keys) - LEGEND_KEYS} more keys differ)"
+        labels.append(text or name)
     return labels
 
 

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from rft.plot import draw_run
-from rft.plot.figures import differing_keys, smoothed
+from rft.plot.figures import differing_keys, run_labels, smoothed
 
 
 def _run(run_dir, seed: int, lr: float) -> str:
@@ -57,6 +57,19 @@ def test_a_sweep_is_one_figure_with_what_differs_in_the_legend(tmp_path):
     assert result.stdout.split() == [str(sweep / "plots" / "compare.png"), str(sweep / "plots" / "compare.svg")]
     svg = (sweep / "plots" / "compare.svg").read_text()
     assert "seed=1, stages.grpo.algorithm.lr=0.001" in svg and "seed=2, stages.grpo.algorithm.lr=0.003" in svg
+
+
+def test_runs_of_different_recipes_are_told_apart_by_name_and_shared_keys_come_first(tmp_path):
+    runs = [_run(tmp_path / "sft_grpo", 1, 1e-3), _run(tmp_path / "chord", 1, 1e-3)]
+    config = yaml.safe_load(open(f"{runs[1]}/config.yaml"))
+    config["seed"] = 2
+    config["stages"] = [{"name": "chord", "algorithm": {"lr": 3e-3, "mu": 0.9, "rows": 64, "phi": False}}]
+    (tmp_path / "chord" / "config.yaml").write_text(yaml.safe_dump(config))
+    keys = differing_keys(runs)
+    assert keys[0] == "seed" and len(keys) > 3  # the one key both runs set, before the stages only one has
+    labels = run_labels(runs)
+    assert labels[0].startswith("sft_grpo: seed=1, ") and labels[1].startswith("chord: seed=2, ")
+    assert labels[1].endswith(f"(+{len(keys) - 3} more keys differ)")
 
 
 def test_a_directory_without_runs_is_named(tmp_path):

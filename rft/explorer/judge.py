@@ -202,7 +202,7 @@ class JudgeClient:
 
 
 class _JudgeHandle:
-    """`judge`, the object rewards import: the JudgeClient this rank connected (rft/explorer/explorer.py)."""
+    """`judge`, the object rewards import: the JudgeClient this rank connected (rft/explorer/rollout_rank.py)."""
 
     client: JudgeClient | None = None
 

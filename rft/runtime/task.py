@@ -230,7 +230,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
             init_trainer_group(topology, cfg.sync.timeout_s)
             summary = run_trainer(cfg, topology, control, stop, resume)
         else:
-            from rft.explorer.explorer import run_explorer
+            from rft.explorer.rollout_rank import run_explorer
 
             summary = run_explorer(cfg, topology, control, stop, resume)
         # the last meeting: rank 0 hosts the store the engines deal tasks through until every

@@ -13,8 +13,8 @@ of GRPO groups with a reward spread (what a selector can raise), and the first s
 accuracy reaches --target (default: the shuffle runs' mean final accuracy,
 the bar the others must reach sooner). Last line: one JSON object.
 
-Tasksets: `quickstart` (its 5000 training problems; after the warm-up the model solves 84% of
-them) and `easy_heavy`, the same problems reduced to every one without a carry (which the
+Tasksets: `quickstart` (its 5000 training problems; after the earlier recipe's 2000-step warm-up
+the model solved 84% of them) and `easy_heavy`, the same problems reduced to every one without a carry (which the
 warm-up model nearly always solves) and the first EASY_HEAVY_HARD with carries: a taskset most of
 whose tasks teach nothing any more, the case difficulty-aware selection is for (a strong model on
 GSM8K); `small`, its first SMALL problems, so that 100 steps are 8 epochs and a selector chooses
@@ -36,8 +36,21 @@ import os
 import subprocess
 import sys
 
+import yaml
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SFT_STEPS = 2000  # the quickstart's warm-up (conf/experiment/quickstart.yaml)
+
+
+def recipe_warm_up() -> tuple[int, int]:
+    """The quickstart recipe's SFT warm-up (conf/experiment/quickstart.yaml): steps, rows a step.
+    The tables in docs/guides/benchmarks.md were measured with the earlier recipe's 2000 steps of
+    64 rows: --sft-steps 2000 --sft-rows 64 runs that again."""
+    with open(os.path.join(REPO, "conf", "experiment", "quickstart.yaml")) as f:
+        sft = next(s for s in yaml.safe_load(f)["stages"] if s["name"] == "sft")
+    return sft["trainer"]["max_steps"], sft["trainer"]["sft_batch_size"]
+
+
+SFT_STEPS, SFT_ROWS = recipe_warm_up()
 EASY_HEAVY_HARD = 300  # problems with carries kept in the easy_heavy taskset (~1500 have none)
 SMALL = 400  # problems in the small taskset
 SPARSE = 1000  # problems in the sparse taskset
@@ -52,14 +65,14 @@ def launch(overrides: list[str], log: str) -> None:
         sys.exit(f"compare_selectors: a run failed; see {log}")
 
 
-def warm_up(root: str, steps: int) -> str:
+def warm_up(root: str, steps: int, rows: int) -> str:
     """The SFT stage alone, exported as an HF model; its directory (made once, then reused)."""
-    base = os.path.join(root, "sft" if steps == SFT_STEPS else f"sft{steps}")
+    base = os.path.join(root, "sft" if (steps, rows) == (SFT_STEPS, SFT_ROWS) else f"sft{steps}x{rows}")
     if not glob.glob(os.path.join(base, "checkpoints", "hf", "v*", "config.json")):
         print(f"SFT warm-up ({steps} steps) -> {base}/checkpoints/hf", flush=True)
         launch([f"run.output_dir={base}", "run.resume=never", "trainer.save_hf=true", f"trainer.save_interval={steps}",
                 "stages=[{name: sft, algorithm: {name: sft, policy_loss: sft, lr: 3.0e-3, warmup_steps: 20}, "
-                f"trainer: {{max_steps: {steps}, sft_batch_size: 64}}}}]"], base + ".log")
+                f"trainer: {{max_steps: {steps}, sft_batch_size: {rows}}}}}]"], base + ".log")
     return base
 
 
@@ -155,13 +168,14 @@ def main() -> None:
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=100, help="GRPO steps per run")
     parser.add_argument("--sft-steps", type=int, default=SFT_STEPS,
-                        help="warm-up steps (fewer: a weaker start, most tasks never solved)")
+                        help="warm-up steps (fewer: a weaker start, most tasks never solved); default: the recipe's")
+    parser.add_argument("--sft-rows", type=int, default=SFT_ROWS, help="warm-up rows a step; default: the recipe's")
     parser.add_argument("--eval-every", type=int, default=10)
     parser.add_argument("--target", type=float, default=None, help="accuracy to reach (default: shuffle's final)")
     parser.add_argument("--out", default=os.path.join(REPO, "outputs", "compare_selectors"))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    base = warm_up(args.out, args.sft_steps)
+    base = warm_up(args.out, args.sft_steps, args.sft_rows)
     train = taskset(args.out, base, args.taskset)
     curves = {(sel, seed): grpo(args.out, base, train, sel, seed, args.steps, args.eval_every)
               for sel in args.selectors for seed in args.seeds}
@@ -171,7 +185,7 @@ def main() -> None:
     steps = sorted({step for curve in curves.values() for step in curve})
     print(f"\nheld-out accuracy by GRPO step (target {target:.3f}: {'--target' if args.target else 'shuffle mean final'})")
     print("selector     seed " + " ".join(f"{s:>6}" for s in steps))
-    result = {"taskset": args.taskset, "sft_steps": args.sft_steps, "target": target, "runs": {}}
+    result = {"taskset": args.taskset, "sft_steps": args.sft_steps, "sft_rows": args.sft_rows, "target": target, "runs": {}}
     for (sel, seed), curve in curves.items():
         print(f"{sel:<12} {seed:>4} " + " ".join(f"{curve.get(s, float('nan')):6.3f}" for s in steps))
         reached = first_reaching(curve, target)

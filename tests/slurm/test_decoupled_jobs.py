@@ -1,7 +1,7 @@
 """sync.decoupled=true on the local Slurm: the explorer (mode=explore) and the trainer (mode=train)
 as two jobs on one run.output_dir, GRPO from the quickstart's SFT warm-up. A third of the way in
-the explorer's job is cancelled (scancel) one step after its checkpoint and launched again; two
-thirds of the way in, the trainer's. Each resumes from its own checkpoint while the other waits for it, and the run ends as
+the explorer's job is killed (SIGKILL, as a node failure would) one step after its checkpoint and
+launched again; two thirds of the way in, the trainer's is cancelled (scancel). Each resumes from its own checkpoint while the other waits for it, and the run ends as
 if never stopped: every step's shard trained exactly once, every trainer step logged once, no
 shard trained more than buffer.max_staleness steps after its weights, and the run learns."""
 
@@ -42,15 +42,17 @@ def _shards(run: Path) -> int:
     return len(list(read_jsonl(run / "buffer" / "manifest.jsonl")))
 
 
-def _cancel_when(ready, job: str, run: Path, launcher: subprocess.Popen, others: list[subprocess.Popen]) -> str:
-    """Once `ready()`, scancel `job`'s (explorer or trainer) newest Slurm job; its launcher's output."""
+def _cancel_when(ready, job: str, run: Path, launcher: subprocess.Popen, others: list[subprocess.Popen],
+                 signal: str | None = None) -> str:
+    """Once `ready()`, scancel `job`'s (explorer or trainer) newest Slurm job, or send its steps
+    `signal`; its launcher's output."""
     deadline = time.time() + 600
     while not ready():
         assert time.time() < deadline and all(p.poll() is None for p in (launcher, *others)), \
             [p.communicate()[0][-3000:] for p in (launcher, *others) if p.poll() is not None]
         time.sleep(0.1)
     newest_log = max((run / job / "logs").glob("*_0_log.out"), key=os.path.getmtime)
-    subprocess.run(["scancel", newest_log.name.split("_")[0]], check=True)
+    subprocess.run(["scancel", *([f"--signal={signal}"] if signal else []), newest_log.name.split("_")[0]], check=True)
     out, _ = launcher.communicate(timeout=300)
     assert launcher.returncode != 0, out[-3000:]
     return out
@@ -62,8 +64,10 @@ def test_an_explorer_job_and_a_trainer_job_learn_and_each_is_cancelled_and_relau
     explorer, trainer = _launch(run, exported_sft_model, "explore"), _launch(run, exported_sft_model, "train")
     try:
         # the explorer writes its step 9's shard after its checkpoint at step 8, and the next checkpoint (10)
-        # comes a whole step's generation later: cancelled at once, it has that step to take again
-        _cancel_when(lambda: _shards(run) >= 9, "explorer", run, explorer, [trainer])
+        # comes a whole step's generation later: killed at once, it has that step to take again. Killed, not
+        # cancelled: scancel's SIGTERM lets it finish the step and save at 10 within Slurm's KillWait (5 s)
+        # when the step is quick, and the restarted explorer then has nothing to take again
+        _cancel_when(lambda: _shards(run) >= 9, "explorer", run, explorer, [trainer], signal="KILL")
         explorer = _launch(run, exported_sft_model, "explore")  # the trainer waits for its shards meanwhile
         _cancel_when(lambda: _trained(run) >= 2 * STEPS // 3, "trainer", run, trainer, [explorer])
         trainer = _launch(run, exported_sft_model, "train")  # the explorer waits for its weights meanwhile

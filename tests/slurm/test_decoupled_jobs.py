@@ -1,9 +1,10 @@
 """sync.decoupled=true on the local Slurm: the explorer (mode=explore) and the trainer (mode=train)
 as two jobs on one run.output_dir, GRPO from the quickstart's SFT warm-up. A third of the way in
 the explorer's job is killed (SIGKILL, as a node failure would) one step after its checkpoint and
-launched again; two thirds of the way in, the trainer's is cancelled (scancel). Each resumes from its own checkpoint while the other waits for it, and the run ends as
-if never stopped: every step's shard trained exactly once, every trainer step logged once, no
-shard trained more than buffer.max_staleness steps after its weights, and the run learns."""
+launched again; two thirds of the way in, the trainer's is cancelled (scancel). Each resumes from
+its own checkpoint while the other waits for it, and the run ends as if never stopped: every
+step's shard trained exactly once, every trainer step logged once, no shard trained more than
+buffer.max_staleness steps after its weights, and the run learns."""
 
 import json
 import os

@@ -75,3 +75,32 @@ def test_runs_of_different_recipes_are_told_apart_by_name_and_shared_keys_come_f
 def test_a_directory_without_runs_is_named(tmp_path):
     result = subprocess.run([sys.executable, "-m", "rft.plot", str(tmp_path)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 2 and f"{tmp_path}: not a run directory" in result.stderr
+
+
+def test_a_scalar_two_ranks_log_at_one_step_is_drawn_as_their_mean(tmp_path, monkeypatch):
+    """Every data-parallel trainer rank logs its own `timing/step_s`; the step-time panel must draw
+    their mean per step, read back from the figure's own line (a sum would double the step time).
+    A step only one rank logged is that rank's value."""
+    from matplotlib.figure import Figure
+
+    run_dir = tmp_path / "run"
+    (run_dir / "metrics").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump({"stages": [{"name": "grpo"}]}))
+    per_rank = {"trainer0": {1: 1.0, 2: 2.0, 3: 4.0, 4: 1.5}, "trainer1": {1: 3.0, 2: 2.0, 3: 1.0}}
+    for rank, seconds in per_rank.items():
+        rows = [{"step": s, "stage": "grpo", "time": 0.0, "timing/step_s": v, "reward/mean": 0.5} for s, v in seconds.items()]
+        (run_dir / "metrics" / f"{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    drawn: dict[str, tuple[list, list]] = {}  # panel key -> (x, y) of its line, as the saved figure holds it
+    savefig = Figure.savefig
+
+    def read_lines_then_save(fig, *args, **kwargs):
+        for ax in fig.axes:
+            if ax.get_visible() and ax.lines:
+                key = ax.get_title().rsplit("\n", 1)[-1]
+                drawn[key] = ([int(x) for x in ax.lines[0].get_xdata()], [float(y) for y in ax.lines[0].get_ydata()])
+        return savefig(fig, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", read_lines_then_save)  # a spy: the real figure is drawn and saved
+    assert draw_run(str(run_dir))
+    assert drawn["timing/step_s"] == ([1, 2, 3, 4], [2.0, 2.0, 2.5, 1.5])
+    assert drawn["reward/mean"] == ([1, 2, 3, 4], [0.5, 0.5, 0.5, 0.5])

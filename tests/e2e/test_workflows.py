@@ -3,10 +3,12 @@ user workflows and rewards load by dotted path, many trajectories are in flight 
 workflows that fail, fail once, hang or crash their environment are each accounted for."""
 
 import asyncio
+import itertools
 import json
 import time
 
 import pytest
+import torch
 
 from rft.buffer.experience import Experience
 from rft.data.taskset import Task
@@ -85,6 +87,59 @@ def test_calculator_env_with_multi_turn_scores_the_final_answer(engine, tmp_path
     outcome = run(engine, tmp_path, CALC, workflow="multi_turn", env="calculator", reward="exact_match")
     assert outcome.failed == 0 and len(outcome.experiences) == 4
     assert all(e.reward in (0.0, 1.0) for e in outcome.experiences)
+
+
+# --- per-turn credit from a real episode ------------------------------------------------------
+
+def test_multi_turn_experience_carries_each_turns_reward_and_per_turn_credit_uses_them(engine, tmp_path):
+    """multi_turn hands the environment's step rewards on (Experience.step_rewards): without them
+    grpo_per_turn silently falls back to episode GRPO. With progress_reward the grid world pays
+    +p for a move toward the goal and -p for any other, and the untrained model steps toward it
+    now and then (about 1 move in 25), so some turns of an episode earn more than others. Each
+    turn's advantage must be its return-to-go compared with the group's at the same turn (the
+    turns as the trainer finds them, from the loss mask), which differs from the episode's
+    advantage on the turns after a good move."""
+    from rft.algorithms.turn_credit import turn_tensors
+    from rft.config import AlgorithmConfig
+    from rft.trainer.step_batch import StepBatch, batch_advantages, response_tensors
+
+    p, turns = 0.5, 4
+    tasks = [Task(i, None, None, row={"start": [2, 2], "goal": [4, 4]}) for i in range(4)]
+    outcome = run(engine, tmp_path, tasks, samples=8, workflow="multi_turn", env="grid_world",
+                  env_args={"progress_reward": p}, max_turns=turns)
+    experiences = outcome.experiences
+    assert outcome.failed == 0 and len(experiences) == 32
+    for e in experiences:  # the model's turns, replayed on a fresh grid world, earn exactly these rewards
+        assert e.step_rewards is not None and len(e.step_rewards) == e.turns, (e.trajectory_id, e.step_rewards)
+        moves = [engine.tokenizer.decode([token for token, _ in run], skip_special_tokens=True)
+                 for trained, run in itertools.groupby(zip(e.token_ids, e.loss_mask), key=lambda tm: tm[1]) if trained]
+        env = GridWorldEnv(progress_reward=p)
+        env.reset(options={"task": tasks[0]})
+        assert [env.step(move)[1] for move in moves] == pytest.approx(e.step_rewards), (e.trajectory_id, moves)
+        assert e.reward == pytest.approx(sum(e.step_rewards))
+
+    batch = StepBatch.from_experiences(experiences)
+    per_turn = batch_advantages(batch, AlgorithmConfig(advantage="grpo_per_turn"), None).advantages
+    episode = batch_advantages(batch, AlgorithmConfig(advantage="grpo"), None).advantages
+    mask, _ = response_tensors(batch)
+    turn_ids, _ = turn_tensors(mask, batch.rewards, batch.step_rewards, batch.step_index, batch.turns)
+
+    def at(advantages, row: int, k: int) -> float:  # the advantage on turn k's tokens (one value a turn)
+        values = advantages[row][turn_ids[row] == k].unique()
+        assert values.numel() == 1, (row, k, values)
+        return float(values[0])
+
+    differs = 0
+    for row, e in enumerate(experiences):
+        for k in range(e.turns):
+            # the expected advantage: return-to-go G_k against the group's at turn k (gamma 1, unbiased std)
+            group = torch.tensor([sum(o.step_rewards[k:]) for o in experiences if o.group_id == e.group_id and o.turns > k])
+            expected = (sum(e.step_rewards[k:]) - group.mean()) / (group.std() + 1e-6) if len(group) > 1 else 0.0
+            assert at(per_turn, row, k) == pytest.approx(float(expected), abs=1e-4), (e.trajectory_id, k, e.step_rewards)
+            if k == 0:  # every attempt starts in the task's start state: turn 0's credit is the episode's
+                assert at(per_turn, row, 0) == pytest.approx(at(episode, row, 0), abs=1e-4)
+            differs += abs(at(per_turn, row, k) - at(episode, row, k)) > 0.1
+    assert differs, "no turn's credit differed from its episode's: no move toward the goal before the last turn"
 
 
 # --- user code by dotted path ----------------------------------------------------------------

@@ -143,6 +143,14 @@ def pytest_runtest_logreport(report):
     _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
 
 
+def pytest_sessionfinish(session):
+    """The rank server the suite's local launches started (rft/runtime/rank_server.py) ends with
+    the suite, not 10 idle minutes later. (Under xdist, each worker's end asks; the first stops it.)"""
+    from rft.runtime import rank_server
+
+    rank_server.stop_server(rank_server.socket_path())
+
+
 def pytest_terminal_summary(terminalreporter):
     if not _SECONDS_BY_FILE:
         return

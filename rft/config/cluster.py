@@ -29,6 +29,7 @@ class ClusterConfig:
     judge_ranks: int = 0  # ranks [T+R, T+R+J) serve frozen judge engines (rft/explorer/judge.py; 0: none)
     colocate: bool = False  # rollout rank T+i shares trainer rank i's GPU; they take turns (rft/runtime/colocation.py)
     timeout_min: int = 240  # wall-clock limit of the job
+    rank_server_idle_min: float = 10.0  # local CPU runs: ranks fork from a process that imported torch, megatron-core and vLLM once, kept this long after its last task (rft/runtime/rank_server.py); 0: a fresh interpreter per rank
     master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
     rendezvous_addr: Optional[str] = None  # slurm: where ranks reach rank 0 (None: the first node's Slurm NodeAddr)
     wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)

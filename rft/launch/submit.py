@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -32,10 +33,30 @@ def _executor(cfg: RFTConfig, log_dir: str):
         # rft follows the job through its result files and squeue instead
         logging.getLogger("submitit").setLevel(logging.ERROR)
         return make_executor(cfg, log_dir), cfg.cluster.master_port
-    executor = submitit.AutoExecutor(folder=log_dir, cluster="local")
+    executor = submitit.AutoExecutor(folder=log_dir, cluster="local", local_python=_task_python(cfg))
     world = world_size(cfg)
     executor.update_parameters(nodes=1, tasks_per_node=world, timeout_min=cfg.cluster.timeout_min, gpus_per_node=0)
     return executor, cfg.cluster.master_port or free_port()
+
+
+def _task_python(cfg: RFTConfig) -> str | None:
+    """The interpreter command submitit's local executor starts each task with: a client of the
+    rank server (rft/runtime/rank_server.py), started here if none runs, or None (a fresh `python`)."""
+    from rft.runtime import rank_server
+
+    if cfg.cluster.rank_server_idle_min <= 0 or cfg.cluster.gpus_per_node or not rank_server.usable():
+        return None
+    from rft.launch.console import console
+
+    path = rank_server.socket_path()
+    started = rank_server.ensure_server(path, cfg.cluster.rank_server_idle_min * 60)
+    if started is not None:
+        console.print(f"started a rank server (pid {started}): it imports torch, megatron-core and vLLM once, and "
+                      f"the ranks of this and later local runs fork from it; it exits after "
+                      f"{cfg.cluster.rank_server_idle_min:g} min without a run "
+                      "(cluster.rank_server_idle_min; `python -m rft.runtime.rank_server stop` ends it now)",
+                      soft_wrap=True, highlight=False)
+    return f"{shlex.quote(sys.executable)} -m rft.runtime.rank_server run {shlex.quote(path)}"
 
 
 @contextlib.contextmanager

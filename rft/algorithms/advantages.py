@@ -25,10 +25,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from rft.algorithms.aggregation import zero_padding
+from rft.lazy import lazy_module
 from rft.registry import Registry
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 ADVANTAGES = Registry("advantage estimator", params=("inputs", "cfg"), returns="AdvantageOutputs")
 

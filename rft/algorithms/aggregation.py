@@ -33,9 +33,11 @@ and `masked_token_mean`.
 
 from __future__ import annotations
 
-import torch
-
+from rft.lazy import lazy_module
 from rft.registry import Registry
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 AGGREGATIONS = Registry("loss aggregation", params=("per_token", "mask"),
                         keyword_only=("num_tokens", "num_seqs", "norm_len"),

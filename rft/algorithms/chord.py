@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from rft.algorithms.aggregation import zero_padding
+from rft.lazy import lazy_module
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 
 def chord_mu(step: int, warmup_steps: int, decay_steps: int, peak: float, valley: float) -> float:

@@ -39,10 +39,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-
 from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs, AdvantageOutputs, _check_inputs
 from rft.algorithms.aggregation import zero_padding
+from rft.lazy import lazy_module
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 
 def _teacher_inputs(inputs: AdvantageInputs, name: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -11,9 +11,11 @@ Built-ins: "none" (keep all) and "zero_variance" (DAPO's dynamic sampling).
 
 from __future__ import annotations
 
-import torch
-
+from rft.lazy import lazy_module
 from rft.registry import Registry
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 SAMPLE_FILTERS = Registry("sample filter", params=("rewards", "group_ids"),
                           returns="keep mask [B] bool")

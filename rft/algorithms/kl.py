@@ -20,15 +20,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
-
 from rft.algorithms.aggregation import zero_padding
+from rft.lazy import lazy_module
 from rft.registry import Registry
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 KL_ESTIMATORS = Registry("KL estimator", params=("logprobs", "ref_logprobs"),
                          returns="per-token KL [B, T]")
 
-KLEstimator = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+KLEstimator = Callable[["torch.Tensor", "torch.Tensor"], "torch.Tensor"]
 
 
 @KL_ESTIMATORS.register("k1")

@@ -39,8 +39,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from rft.algorithms.advantages import (
     ADVANTAGES,
     AdvantageInputs,
@@ -51,6 +49,10 @@ from rft.algorithms.advantages import (
 )
 from rft.algorithms.aggregation import masked_token_mean, zero_padding
 from rft.algorithms.policy_losses import MAX_LOG_RATIO, POLICY_LOSSES, Metrics, _finish, _token_advantages
+from rft.lazy import lazy_module
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 REC_CLIPS = ("none", "one-side", "two-side", "ring")
 TOPR_RATIOS = ("sequence", "token")

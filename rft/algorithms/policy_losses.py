@@ -37,11 +37,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
 from rft.algorithms.aggregation import masked_token_mean, zero_padding
+from rft.lazy import lazy_module
 from rft.registry import Registry
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
+F = lazy_module("torch.nn.functional")
 
 POLICY_LOSSES = Registry("policy loss", params=("logprobs", "old_logprobs", "advantages", "mask", "cfg"),
                          returns="tuple[per_token_loss [B, T], dict[str, Tensor]]")
@@ -51,7 +53,7 @@ POLICY_LOSSES = Registry("policy loss", params=("logprobs", "old_logprobs", "adv
 MAX_LOG_RATIO = 20.0
 MAX_GSPO_LOG_RATIO = 10.0
 
-Metrics = dict[str, torch.Tensor]
+Metrics = dict[str, "torch.Tensor"]
 
 
 def _token_advantages(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

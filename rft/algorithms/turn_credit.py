@@ -30,10 +30,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from rft.algorithms.advantages import ADVANTAGES, AdvantageInputs, AdvantageOutputs, _check_inputs, group_stats
 from rft.algorithms.aggregation import zero_padding
+from rft.lazy import lazy_module
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 
 def turn_tensors(mask: torch.Tensor, rewards: list[float], step_rewards: list[list[float] | None] | None,

@@ -17,9 +17,11 @@ loss, so the same partition contract over microbatches and DP ranks holds.
 
 from __future__ import annotations
 
-import torch
-
 from rft.algorithms.aggregation import masked_token_mean, zero_padding
+from rft.lazy import lazy_module
+
+# imported where first used: the launcher checks names here without torch (rft/lazy.py)
+torch = lazy_module("torch")
 
 
 def clipped_value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,

@@ -37,10 +37,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
+from rft.lazy import lazy_module
 from rft.runtime import faults
 from rft.runtime.storage import written_whole_or_not_at_all
+
+# imported where first used: the launcher reads checkpoints' metadata (newest_complete) without torch
+torch = lazy_module("torch")
 
 _STEP_DIR = re.compile(r"^step(\d{8,})$")
 

@@ -131,7 +131,7 @@ def test_a_new_circle_is_found(tmp_path):
 # Bottom to top; a module imports only its own layer and those below it. The roles (trainer,
 # explorer) share a layer but never import each other: what both need lives below them.
 LAYERS = (
-    ("rft.registry", "rft.config"),  # the typed config (its schema) and the registry contract
+    ("rft.registry", "rft.lazy", "rft.config"),  # the typed config (its schema), the registry contract, lazy imports
     ("rft.runtime",),  # the plumbing inside every rank: storage, checkpoints, monitor, topology, ...
     ("rft.models", "rft.algorithms"),
     ("rft.data", "rft.buffer", "rft.review", "rft.weights"),  # what the roles use

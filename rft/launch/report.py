@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import subprocess
 import time
 from collections.abc import Callable
 
@@ -91,9 +93,20 @@ def watch(job, run_dir: str, log_dir: str, world_size: int, show_progress: bool,
                 progress.update(bar, total=state["total_steps"], completed=state["step"],
                                 stage=f"{state['stage']} ({state['stage_index'] + 1}/{state['num_stages']})",
                                 reward="-" if reward is None else f"{reward:.3f}")
-            time.sleep(poll_s)
+            _sleep_unless_ended(job, poll_s)
     return losses.fatal(sorted(find_failures(run_dir, log_dir, job.job_id, world_size, alive, on_slurm),
                                key=lambda f: not f.died))
+
+
+def _sleep_unless_ended(job, seconds: float) -> None:
+    """Sleep `seconds`, or until a local job's controller process ends, whichever comes first: a
+    finished run's summary then follows its last rank at once, not up to a poll later."""
+    process = getattr(job, "_process", None)  # submitit's LocalJob; a Slurm job has none here
+    if process is None:
+        time.sleep(seconds)
+        return
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=seconds)
 
 
 def _read_json(path: str) -> dict | None:

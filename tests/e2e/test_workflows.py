@@ -111,8 +111,8 @@ def test_multi_turn_experience_carries_each_turns_reward_and_per_turn_credit_use
     assert outcome.failed == 0 and len(experiences) == 32
     for e in experiences:  # the model's turns, replayed on a fresh grid world, earn exactly these rewards
         assert e.step_rewards is not None and len(e.step_rewards) == e.turns, (e.trajectory_id, e.step_rewards)
-        moves = [engine.tokenizer.decode([token for token, _ in run], skip_special_tokens=True)
-                 for trained, run in itertools.groupby(zip(e.token_ids, e.loss_mask), key=lambda tm: tm[1]) if trained]
+        moves = [engine.tokenizer.decode([token for token, _ in span], skip_special_tokens=True)
+                 for trained, span in itertools.groupby(zip(e.token_ids, e.loss_mask), key=lambda tm: tm[1]) if trained]
         env = GridWorldEnv(progress_reward=p)
         env.reset(options={"task": tasks[0]})
         assert [env.step(move)[1] for move in moves] == pytest.approx(e.step_rewards), (e.trajectory_id, moves)

@@ -19,7 +19,9 @@ Weights move through the checkpoint engine (rft/weights/engines.py): NCCL cannot
 processes on one GPU, and the pair is always on one node. On CPU vLLM's sleep frees nothing, but
 the engines make the same calls (vLLM pauses and resumes its scheduler) in the same order, and
 every phase is journaled the same way: `<run>/metrics/phases<rank>.jsonl`, one line per phase
-with its start and end, which the tests read to check the order.
+with its start and end, which the tests read to check the order. An engine's sleep and wakes also
+note what vLLM then says of itself (asleep, at which level; fully awake): on CPU that, not freed
+memory, shows that they ran.
 """
 
 from __future__ import annotations
@@ -52,11 +54,12 @@ class PhaseJournal:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
 
     @contextmanager
-    def phase(self, name: str, step: int, totals: tuple[str, ...] = (), **fields) -> Iterator[None]:
-        """Journal the phase `name` of step `step` (`fields`: more to note, e.g. the sleep level);
-        `totals`: the progress totals its seconds add to."""
+    def phase(self, name: str, step: int, totals: tuple[str, ...] = (), **fields) -> Iterator[dict]:
+        """Journal the phase `name` of step `step` (`fields`: more to note, e.g. the sleep level;
+        the body may add to the dict it is given, e.g. what vLLM said); `totals`: the progress
+        totals its seconds add to."""
         start = time.time()
-        yield
+        yield fields
         end = time.time()
         self.progress.add(**{total: end - start for total in totals})
         append_jsonl(self.path, {"phase": name, "step": step, "start": start, "end": end, **fields})
@@ -158,18 +161,16 @@ class EngineSleep:
     def hand_over(self, versions: list[int]) -> None:
         """Sleep (unless asleep already) and tell the trainer it may train steps `versions`."""
         if not self.asleep and versions:
-            with self.journal.phase("sleep", versions[0], totals=("sleep_s",), level=self.level):
-                for engine in self.engines:
-                    engine.sleep(self.level)
+            with self.journal.phase("sleep", versions[0], totals=("sleep_s",), level=self.level) as noted:
+                noted["vllm_levels"] = [engine.sleep(self.level) for engine in self.engines]  # None: not asleep
             self.asleep = True
         for version in versions:
             self.turns.asleep(self.engine, version)
 
     def wake(self, step: int) -> None:
         if self.asleep:
-            with self.journal.phase("wake", step, totals=("wake_s",)):
-                for engine in self.engines:
-                    engine.wake()
+            with self.journal.phase("wake", step, totals=("wake_s",)) as noted:
+                noted["vllm_awake"] = all([engine.wake() for engine in self.engines])
             self.asleep = False
 
     @contextmanager
@@ -180,12 +181,11 @@ class EngineSleep:
             yield
             return
         in_sync = ("wake_s", "wake_in_sync_s")  # inside the explorer's sync wait: the summary shows them apart
-        with self.journal.phase("wake_weights", version, totals=in_sync):
-            for engine in self.engines:
-                engine.wake(["weights"])
+        with self.journal.phase("wake_weights", version, totals=in_sync) as noted:
+            # False: vLLM keeps its scheduler paused while the KV cache still sleeps
+            noted["vllm_awake"] = any([engine.wake(["weights"]) for engine in self.engines])
         with self.journal.phase("load", version):
             yield
-        with self.journal.phase("wake_kv_cache", version, totals=in_sync):
-            for engine in self.engines:
-                engine.wake(["kv_cache"])
+        with self.journal.phase("wake_kv_cache", version, totals=in_sync) as noted:
+            noted["vllm_awake"] = all([engine.wake(["kv_cache"]) for engine in self.engines])
         self.asleep = False

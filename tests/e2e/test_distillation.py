@@ -108,4 +108,5 @@ def _distill_losses(run_dir: str, step: int, beta: float) -> tuple[float, float]
     assert paths and bool(scored.all())
     mixture = torch.logaddexp(teacher + math.log(beta), student + math.log(1 - beta))
     tokens = mask.sum()
-    return float((1 - beta) * ((student - mixture) * mask).sum() / tokens), float(((student - teacher) * mask).sum() / tokens)
+    jsd_loss = (1 - beta) * ((student - mixture) * mask).sum() / tokens
+    return float(jsd_loss), float(((student - teacher) * mask).sum() / tokens)

@@ -133,9 +133,11 @@ def test_multi_turn_experience_carries_each_turns_reward_and_per_turn_credit_use
     for row, e in enumerate(experiences):
         for k in range(e.turns):
             # the expected advantage: return-to-go G_k against the group's at turn k (gamma 1, unbiased std)
-            group = torch.tensor([sum(o.step_rewards[k:]) for o in experiences if o.group_id == e.group_id and o.turns > k])
+            group = torch.tensor([sum(o.step_rewards[k:]) for o in experiences
+                                  if o.group_id == e.group_id and o.turns > k])
             expected = (sum(e.step_rewards[k:]) - group.mean()) / (group.std() + 1e-6) if len(group) > 1 else 0.0
-            assert at(per_turn, row, k) == pytest.approx(float(expected), abs=1e-4), (e.trajectory_id, k, e.step_rewards)
+            assert at(per_turn, row, k) == pytest.approx(float(expected), abs=1e-4), \
+                (e.trajectory_id, k, e.step_rewards)
             if k == 0:  # every attempt starts in the task's start state: turn 0's credit is the episode's
                 assert at(per_turn, row, 0) == pytest.approx(at(episode, row, 0), abs=1e-4)
             differs += abs(at(per_turn, row, k) - at(episode, row, k)) > 0.1

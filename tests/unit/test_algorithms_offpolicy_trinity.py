@@ -51,7 +51,7 @@ def trinity() -> dict[str, types.ModuleType]:
     spec = importlib.util.find_spec("trinity")
     root = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
     if root is None or not (root / "algorithm" / "policy_loss_fn" / "rec_policy_loss.py").is_file():
-        missing = "Trinity-RFT is not installed (pip install --no-deps trinity-rft==0.6.0, as tools/install_cpu.sh does)"
+        missing = "Trinity-RFT is not installed (pip install --no-deps trinity-rft==0.6.0: tools/install_cpu.sh)"
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(missing)  # CI's install puts it there: a skip would hide a broken install step
         pytest.skip(missing)

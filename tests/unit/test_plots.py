@@ -88,7 +88,8 @@ def test_a_scalar_two_ranks_log_at_one_step_is_drawn_as_their_mean(tmp_path, mon
     (run_dir / "config.yaml").write_text(yaml.safe_dump({"stages": [{"name": "grpo"}]}))
     per_rank = {"trainer0": {1: 1.0, 2: 2.0, 3: 4.0, 4: 1.5}, "trainer1": {1: 3.0, 2: 2.0, 3: 1.0}}
     for rank, seconds in per_rank.items():
-        rows = [{"step": s, "stage": "grpo", "time": 0.0, "timing/step_s": v, "reward/mean": 0.5} for s, v in seconds.items()]
+        rows = [{"step": s, "stage": "grpo", "time": 0.0, "timing/step_s": v, "reward/mean": 0.5}
+                for s, v in seconds.items()]
         (run_dir / "metrics" / f"{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     drawn: dict[str, tuple[list, list]] = {}  # panel key -> (x, y) of its line, as the saved figure holds it
     savefig = Figure.savefig

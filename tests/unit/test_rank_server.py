@@ -72,6 +72,8 @@ def test_a_task_runs_with_the_clients_fds_environment_cwd_and_exit_code(server, 
     assert seen["cwd"] == REPO and seen["marker"] == "seen"
     assert seen["ppid"] == server_pid  # forked by the server, not started by the client
     assert not seen["rft_loaded"]  # rft is imported afresh by each task
+    # its own command line, by which the launcher finds a job's ranks (rft/launch/job_state.py)
+    assert "-m tests.unit.rank_server_task exit3" in seen["cmdline"]
 
 
 def test_a_task_killed_by_a_signal_ends_its_client_by_the_same_signal(server, tmp_path):

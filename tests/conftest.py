@@ -13,6 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("RFT_GSM8K_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
 os.environ["RFT_GSM8K_DIR"] = GSM8K_DIR
 
+# The suite's local launches fork their ranks from rank servers of its own (rft/runtime/rank_server.py),
+# stopped when it ends (pytest_sessionfinish), whatever servers the user or another session runs.
+# xdist's workers inherit the controller's directory.
+os.environ.setdefault("RFT_RANK_SERVER_DIR", f"/tmp/rft-{os.getuid()}/pytest-{os.getpid()}")
+
 # A shell starts a background command (CI under `&` or nohup) with SIGINT ignored, and every process
 # a test starts inherits that: Python then never raises KeyboardInterrupt, and a test's Ctrl-C of a
 # launcher was silently dropped (the launcher ran on until the test's timeout). A handler (unlike
@@ -144,11 +149,13 @@ def pytest_runtest_logreport(report):
 
 
 def pytest_sessionfinish(session):
-    """The rank server the suite's local launches started (rft/runtime/rank_server.py) ends with
-    the suite, not 10 idle minutes later. (Under xdist, each worker's end asks; the first stops it.)"""
+    """The rank servers the suite's local launches started end with the suite, not 10 idle minutes
+    later (under xdist: when the last worker is done)."""
+    if hasattr(session.config, "workerinput"):
+        return  # an xdist worker: the others may still launch
     from rft.runtime import rank_server
 
-    rank_server.stop_server(rank_server.socket_path())
+    rank_server.stop_all_servers()
 
 
 def pytest_terminal_summary(terminalreporter):

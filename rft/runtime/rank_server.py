@@ -68,6 +68,12 @@ def usable() -> bool:
     return sys.platform == "linux" and not glob.glob("/dev/nvidia[0-9]*") and not os.path.exists("/dev/kfd")
 
 
+def _server_dir() -> str:
+    """Where this user's servers listen; RFT_RANK_SERVER_DIR gives a set of launches servers of
+    their own (the test suite's, stopped when it ends)."""
+    return os.environ.get("RFT_RANK_SERVER_DIR") or f"/tmp/rft-{os.getuid()}"
+
+
 def socket_path() -> str:
     """The server for this Python, this rft and these installed packages, in a directory only
     this user can enter (a unix socket path has at most 107 bytes)."""
@@ -79,7 +85,7 @@ def socket_path() -> str:
         for location in (spec.submodule_search_locations or []) if spec else []:
             key.update(f"{location}:{os.stat(location).st_mtime_ns}".encode())
     key.update(json.dumps(sorted((k, v) for k, v in os.environ.items() if k.startswith(_LOAD_TIME_ENV))).encode())
-    directory = f"/tmp/rft-{os.getuid()}"
+    directory = _server_dir()
     os.makedirs(directory, mode=0o700, exist_ok=True)
     return os.path.join(directory, f"ranks-{key.hexdigest()[:16]}.sock")
 
@@ -110,6 +116,13 @@ def stop_server(path: str) -> bool:
         return False
 
 
+def stop_all_servers() -> int:
+    """Ask every server of this user to stop once its tasks have ended; how many answered."""
+    directory = _server_dir()
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    return sum(stop_server(os.path.join(directory, name)) for name in names if name.endswith(".sock"))
+
+
 # ---- the server ----------------------------------------------------------------------------------
 
 def serve(path: str, idle_s: float, preload: tuple[str, ...] = PRELOAD) -> None:
@@ -133,11 +146,14 @@ def serve(path: str, idle_s: float, preload: tuple[str, ...] = PRELOAD) -> None:
     # setproctitle finds the space it rewrites in the environment as the process started: before
     # a task's environment replaces it (after, titles never reached /proc/<pid>/cmdline)
     setproctitle.getproctitle()
-    _preload(preload)
-    _Server(listener, path, idle_s, lock).loop()
+    set_by_imports = _preload(preload)
+    _Server(listener, path, idle_s, lock, set_by_imports).loop()
 
 
-def _preload(modules: tuple[str, ...]) -> None:
+def _preload(modules: tuple[str, ...]) -> dict[str, str]:
+    """Import `modules`; returns the environment variables the imports set (torch and vLLM set
+    some for their own subprocesses), which a task's environment takes as a fresh import would."""
+    before = dict(os.environ)
     for name in modules:
         try:
             importlib.import_module(name)
@@ -147,6 +163,7 @@ def _preload(modules: tuple[str, ...]) -> None:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
     _forget_rft()
+    return {key: value for key, value in os.environ.items() if before.get(key) != value}
 
 
 def _forget_rft() -> None:
@@ -155,8 +172,9 @@ def _forget_rft() -> None:
 
 
 class _Server:
-    def __init__(self, listener: socket.socket, path: str, idle_s: float, lock):
+    def __init__(self, listener: socket.socket, path: str, idle_s: float, lock, set_by_imports: dict[str, str]):
         self.listener, self.path, self.idle_s, self.lock = listener, path, idle_s, lock
+        self.set_by_imports = set_by_imports
         self.tasks: dict[int, socket.socket] = {}  # task pid -> its client's connection
         self.stopping = False
         self.selector = selectors.DefaultSelector()
@@ -261,6 +279,11 @@ class _Server:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
+        # what the preloaded imports would have set in a fresh interpreter: the load-time variables
+        # as they set them (the client's equal the server's: the socket's name says so), others
+        # where the client has none
+        os.environ.update({key: value for key, value in self.set_by_imports.items()
+                           if key.startswith(_LOAD_TIME_ENV) or key not in request["env"]})
         # the command line it stands in for, in ps and /proc/<pid>/cmdline: the launcher finds a
         # job's rank processes by it (rft/launch/job_state.py) to stop them after a failure
         setproctitle.setproctitle(shlex.join([sys.executable, *request["argv"]]))
@@ -365,14 +388,15 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 
 def main(args: list[str]) -> None:
     usage = ("usage: python -m rft.runtime.rank_server run SOCKET PYTHON-ARGS... | "
-             "serve SOCKET IDLE_S [MODULE,MODULE...] | stop [SOCKET]")
+             "serve SOCKET IDLE_S [MODULE,MODULE...] | stop [SOCKET] (default: every server of this user)")
     if args[:1] == ["run"] and len(args) > 2:
         run_task(args[1], args[2:])
     elif args[:1] == ["serve"] and len(args) in (3, 4):
         serve(args[1], float(args[2]), tuple(m for m in args[3].split(",") if m) if len(args) == 4 else PRELOAD)
-    elif args[:1] == ["stop"] and len(args) <= 2:
-        path = args[1] if len(args) == 2 else socket_path()
-        print("stopping" if stop_server(path) else f"no rank server on {path}")
+    elif args[:1] == ["stop"] and len(args) == 2:
+        print("stopping" if stop_server(args[1]) else f"no rank server on {args[1]}")
+    elif args[:1] == ["stop"]:
+        print(f"stopping {stop_all_servers()} rank server(s)")
     else:
         sys.exit(usage)
 

@@ -17,6 +17,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -76,11 +78,22 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
     with mlflow_server(tmp_path / "mlflow") as tracking_uri:
         overrides = [*_overrides(run_dir, offset), "monitor.loggers=[tensorboard,mlflow,wandb]",
                      f"monitor.mlflow.tracking_uri={tracking_uri}", "monitor.plots=true"]
-        first_ids = _killed_and_resumed(run_dir, overrides, offset, uninterrupted)
+        first_ids, wandb_through = _killed_and_resumed(run_dir, overrides, offset, uninterrupted)
         for rank in TRACKED:
             tracked = tracked_steps(run_dir, rank, tracking_uri)
-            # W&B keeps one row per step (two evals at a stage boundary's step are one row): each step once
-            assert tracked["wandb"] == {key: sorted(set(steps)) for key, steps in tracked["jsonl"].items()}, rank
+            # W&B keeps one row per step (two evals at a stage boundary's step are one row): each step once.
+            # The steps from the checkpoint on that the killed attempt's W&B files held stay its rows (the
+            # resumed rank logs after them, rft/runtime/trackers/wandb_tracker.py), and at the checkpoint
+            # step that row has the killed attempt's weight sync, which the resumed run logs differently.
+            # Which steps those are depends on how far W&B's service, writing behind the run, had got
+            # when the kill landed: read from its files, they are checked to be there once; the rest key by key
+            held = range(CHECKPOINT, wandb_through[rank] + 1)
+            wandb = {key: [s for s in steps if s not in held] for key, steps in tracked["wandb"].items()}
+            jsonl = {key: sorted({s for s in steps if s not in held}) for key, steps in tracked["jsonl"].items()}
+            assert {k: v for k, v in wandb.items() if v} == {k: v for k, v in jsonl.items() if v}, rank
+            assert all(len(steps) == len(set(steps)) for steps in tracked["wandb"].values()), rank
+            assert {s for steps in tracked["jsonl"].values() for s in steps if s in held} <= \
+                {s for steps in tracked["wandb"].values() for s in steps}, rank
             assert set(tracked["mlflow"]) == set(tracked["jsonl"]), rank
             for key, steps in tracked["mlflow"].items():  # each point as often as the jsonl has it
                 logged = [s for s in steps if s in tracked["jsonl"][key]]
@@ -103,21 +116,45 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
 TRACKED = ("trainer0", "rollout1")  # the ranks that log
 
 
+def _stopped(run_dir, step: int, rank: int) -> bool:
+    """Whether rank `rank` has stopped itself (SIGSTOP) about to generate step `step`
+    (RFT_FAULTS=stop_generating@<step>#<rank>: rft/runtime/faults.py records it, then stops)."""
+    try:
+        struck = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
+        pids = [row["pid"] for row in struck if (row["fault"], row["step"], row["rank"]) == ("stop_generating", step,
+                                                                                             rank)]
+        return any(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for pid in pids)
+    except (OSError, ValueError):  # not written yet, its line half written, or the process gone
+        return False
+
+
 def _tracker_ids(run_dir, rank: str) -> dict[str, str]:
     return json.loads((run_dir / "metrics" / f"{rank}.trackers.json").read_text())
 
 
-def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> dict[str, dict[str, str]]:
+def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> tuple[dict[str, dict[str, str]], dict[str, int]]:
     """Kill the run after its checkpoint, launch it again, check it ended as the uninterrupted run;
-    the trackers' run ids of each rank after the kill."""
+    the trackers' run ids of each rank after the kill, and the last step of each rank W&B's files
+    held then."""
+    from rft.runtime.trackers.wandb_files import history
+
     explorer_saved = CHECKPOINT + offset  # shards [0, explorer_saved) are in the explorer's checkpoint
+    # the kill comes once the trainer has logged CHECKPOINT + 2 and the explorer has stopped itself
+    # (SIGSTOP) as it was about to generate the step after the one it took those weights for: the
+    # trainer then waits for the explorer and cannot reach the next checkpoint, however fast its steps
+    # are. (Killing "at once" after step CHECKPOINT + 2 left the run SAVE_EVERY - 2 steps to get there.)
+    stopped_at = CHECKPOINT + 3 + offset
     # on the way, the shard of step TORN reaches the disk torn (rft/runtime/faults.py): the trainer
     # quarantines it, the explorer writes it again from its copy, the run goes on as if not
     first = subprocess.Popen([sys.executable, "-m", "rft.launch", *overrides], cwd=REPO, start_new_session=True,
                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             env={**os.environ, "RFT_FAULTS": f"corrupt_shard@{TORN}"})
+                             env={**os.environ, "RFT_FAULTS": f"corrupt_shard@{TORN},stop_generating@{stopped_at}#1"})
     try:
         wait_for_step(first, run_dir, CHECKPOINT + 2)
+        deadline = time.monotonic() + 300  # only bounds a hang
+        while not _stopped(run_dir, stopped_at, 1):
+            assert first.poll() is None and time.monotonic() < deadline, f"the explorer never stopped at {stopped_at}"
+            time.sleep(0.2)
     finally:
         kill_like_a_node_failure(first, run_dir)
     buffer = ExperienceBuffer(str(run_dir / "buffer"))
@@ -126,6 +163,8 @@ def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> dict[str, 
     assert written_after_checkpoint, "the kill came before any experience past the checkpoint"
 
     first_ids = {rank: _tracker_ids(run_dir, rank) for rank in TRACKED}
+    wandb_through = {rank: max((row["_step"] for row in history(str(run_dir), ids["wandb"])), default=-1)
+                     for rank, ids in first_ids.items()}
     result = launch(*overrides)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "plots: " in result.stdout
@@ -155,7 +194,7 @@ def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> dict[str, 
     assert [r.get("buffer/corrupt_shards") for r in trainer_log if TORN < r["step"] <= CHECKPOINT] == \
         [1.0] * (CHECKPOINT - TORN)
     assert_same_run(uninterrupted(offset), run_dir, DONE, FINAL_STATE)  # the torn shard's experience trained once
-    return first_ids
+    return first_ids, wandb_through
 
 
 # offset 0 is stopped by the signal in test_a_full_disk_stops_the_run..., before its disk fills

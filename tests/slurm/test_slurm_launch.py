@@ -38,7 +38,7 @@ def test_quickstart_with_two_engines_runs_and_learns_on_slurm(slurm, exported_sf
     end = [e["accuracy"] for e in evals if e["when"] == "end"][0]
     assert start >= 0.15, f"the exported SFT model scores only {start:.2f}"
     assert end >= start + 0.05, f"GRPO did not raise accuracy on Slurm: {start:.3f} -> {end:.3f}"
-    for _ in range(30):  # slurmdbd records the job just after Slurm stops listing it
+    for _ in range(120):  # slurmdbd records the job just after Slurm stops listing it (120 tries: only a hang bound)
         steps = subprocess.run(["sacct", "-j", job_id, "-n", "-P", "-o", "JobID,NTasks,State"],
                                capture_output=True, text=True, check=True).stdout.split()
         if f"{job_id}.0|3|COMPLETED" in steps:

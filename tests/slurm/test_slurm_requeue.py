@@ -36,9 +36,10 @@ def test_signal_mid_run_saves_requeues_and_resumes(two_nodes, tmp_path):
     launcher = subprocess.Popen(cmd, cwd=REPO, env=two_nodes, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
-        deadline = time.time() + 600
+        deadline = time.time() + 600  # only bounds a hang
         while _progress_step(run_dir) < SFT_STEPS + 10:  # in the middle of GRPO
-            assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
+            assert launcher.poll() is None, launcher.communicate()  # (its output: only once it has ended)
+            assert time.time() < deadline, f"step {_progress_step(run_dir)} after 600 s"
             time.sleep(0.5)
         job_id = (run_dir / "logs").glob("*_0_log.out").__next__().name.split("_")[0]
         # what Slurm sends `signal_delay_s` before the time limit

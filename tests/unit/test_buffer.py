@@ -105,14 +105,19 @@ def test_claim_timeout_raises_with_root_and_wait(tmp_path):
 
 
 def test_expired_lease_returns_uncommitted_claim_to_pool(tmp_path):
-    buf = ExperienceBuffer(str(tmp_path), lease_s=1.0)  # margin for a loaded CI box
+    # the lease's length is the buffer's view: a long one while the claim must hold (a loaded machine
+    # never outlasts it between two calls), a short one for the consumer that finds it expired
+    buf = ExperienceBuffer(str(tmp_path), lease_s=600.0)
     buf.write({"x": [1, 2]}, step=0, producer=0, version=0)
     stale = buf.claim(consumer=0, timeout_s=1.0)
     with pytest.raises(TimeoutError):  # still leased: nobody else may take it
         buf.claim(consumer=1, timeout_s=0.05)
-    time.sleep(1.2)
-    other = ExperienceBuffer(str(tmp_path), lease_s=1.0)
-    assert other.release_expired() == 1 and other.pending() == [stale.name]
+    other = ExperienceBuffer(str(tmp_path), lease_s=0.05)
+    deadline = time.monotonic() + 60  # only bounds a hang: the lease runs out 0.05 s after the claim
+    while not (released := other.release_expired()):
+        assert time.monotonic() < deadline, "the lease never ran out"
+        time.sleep(0.01)
+    assert released == 1 and other.pending() == [stale.name]
     fresh = other.claim(consumer=1, timeout_s=1.0)
     assert fresh.name == stale.name and fresh.table.equals(stale.table)
     with pytest.raises(LeaseExpiredError, match=stale.name):

@@ -83,7 +83,7 @@ def test_an_engine_that_never_reports_is_named():
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"rollout engine 1 \(rank 1\) did not reach 'rft-deal/kept:3:0' within 1s"):
         Dealer(stores[0], 0, 2, 1.0).total("kept:3:0", 4)
-    assert time.monotonic() - start < 5
+    assert time.monotonic() - start < 5  # the 1 s timeout: 1.03 s measured (2 cores under load), the bound 5 x that
 
 
 def _survivor(dealer: Dealer, taken: list[int], rounds: list[int]) -> None:
@@ -118,4 +118,4 @@ def test_a_lost_engine_ends_the_meeting_at_once_when_the_run_fails_fast():
     start = time.monotonic()
     with pytest.raises(MemberLostError, match=r"rollout engine 1 \(rank 1\) failed: killed by SIGKILL"):
         Dealer(stores[0], 0, 2, 60.0).total("kept:4:0", 1)  # not tolerated: the default policy
-    assert time.monotonic() - start < 5  # the mark, not the 60 s timeout
+    assert time.monotonic() - start < 5  # the mark, not the 60 s timeout: 0.01 s measured (2 cores under load)

@@ -78,6 +78,7 @@ def test_an_explorer_waiting_for_weights_names_a_lost_trainer_at_once_and_a_slow
     start = time.monotonic()
     with pytest.raises(TimeoutError, match=r"waited 1s \(sync.timeout_s\) for weights version 5 from trainer rank 0"):
         link.wait(lambda: False, "weights version 5")
+    # its 1 s timeout, not the store's 5 s: 1.02 s measured (2 cores under load), the bound 3 x that
     assert time.monotonic() - start < 3
     mark_lost(store, 0, "killed by SIGKILL")
     with pytest.raises(MemberLostError, match="trainer rank 0 failed: killed by SIGKILL"):

@@ -75,7 +75,9 @@ def test_rank_0_marks_lost_the_engines_whose_pulse_stopped_or_who_lost_the_netwo
         json.dump({"address": "10.0.0.1:20001", "for_s": 30.0, "error": "timed out"}, f)
     monkeypatch.setattr(pulse, "PULSE_S", 0.05)
     stores = _stores(2)
+    before = set(threading.enumerate())
     watch = PulseWatch(stores[1], str(tmp_path), frozenset({1, 2, 3}), lambda r: f"rollout rank {r}")
+    (watching,) = [t for t in threading.enumerate() if t.name == "rft-pulse-watch" and t not in before]
     deadline = time.monotonic() + 10
     while len(lost_ranks(stores[0], [1, 2, 3, 4])) < 2 and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -86,7 +88,8 @@ def test_rank_0_marks_lost_the_engines_whose_pulse_stopped_or_who_lost_the_netwo
     assert lost[3] == "rollout rank 3 lost the network to rank 0: its control store at 10.0.0.1:20001 has not " \
                       "answered it for 30 s"
     os.utime(pid_path(str(tmp_path), 1), (time.time() - 60, time.time() - 60))
-    time.sleep(0.3)
+    watching.join(timeout=60)  # its last look, if one was under way, then it ends: no sleep to guess that
+    assert not watching.is_alive()
     assert sorted(lost_ranks(stores[0], [1, 2, 3])) == [2, 3]  # stopped: rank 1 going quiet is not a loss
     while stores:
         stores.pop()

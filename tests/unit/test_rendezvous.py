@@ -16,6 +16,7 @@ def test_an_address_that_does_not_answer_is_reported_after_the_budget():
     started = time.monotonic()
     with pytest.raises(RendezvousError, match=f"127.0.0.1:{port} \\(node node1\\) did not answer") as err:
         wait_until_reachable("127.0.0.1", port, "node1", budget_s=2)
+    # the whole 2 s budget, then the report: 2.01 s measured (2 cores under load), the bound 5 x that
     assert 2 <= time.monotonic() - started < 10
     assert "cluster.rendezvous_addr" in str(err.value) and "GLOO_SOCKET_IFNAME" in str(err.value)
 

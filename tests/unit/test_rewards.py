@@ -157,6 +157,7 @@ def test_user_rewards_see_the_trajectory_and_the_row_in_every_form():
         assert scorer.is_async and scorer.score(runs, tasks) == [1.0, 0.5]
         start = time.monotonic()
         assert scored(scorer, ["a", "slow"], ["a", "a"]) == [1.0, 0.0]  # the slow one timed out alone
+        # its 0.5 s timeout, not its 30 s sleep: about 0.5 s measured (2 cores under load), the bound 10 x that
         assert time.monotonic() - start < 5 and (scorer.timeouts, scorer.errors) == (1, 0)
 
 
@@ -192,13 +193,16 @@ def sleepy(trajectory, task) -> float:
 
 
 def test_sleeping_reward_times_out_quickly_and_scoring_goes_on(caplog):
-    with RewardScorer(me("sleepy"), timeout_s=0.2) as scorer, caplog.at_level(logging.WARNING):
+    # the timeout is also a fast sample's budget, and a fast sample after a timeout is scored by a
+    # freshly forked child: 12-87 ms measured on 2 cores under load, where a 0.2 s timeout failed the test once
+    with RewardScorer(me("sleepy"), timeout_s=1.0) as scorer, caplog.at_level(logging.WARNING):
         start = time.monotonic()
         scores = scored(scorer, ["fast", "slow", "fast", "slow"], ["a"] * 4)
         elapsed = time.monotonic() - start
         assert scores == [1.0, 0.0, 1.0, 0.0]
         assert (scorer.errors, scorer.timeouts) == (0, 2)
-    assert elapsed < 3.0, f"two 0.2 s timeouts took {elapsed:.1f} s"
+    # two 1 s timeouts, not two 30 s sleeps: about 2.1 s measured, the bound ~5 x that
+    assert elapsed < 10.0, f"two 1 s timeouts took {elapsed:.1f} s"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and "rollout.reward_timeout_s" in warnings[0]
 
@@ -212,6 +216,8 @@ def test_gil_holding_math_verify_input_cannot_hang_the_scorer():
         elapsed = time.monotonic() - start
         assert scores == [0.0, 1.0]
         assert (scorer.errors, scorer.timeouts) == (0, 1)
+    # the 2 s timeout, then \boxed{72} in a fresh child (0.14-0.2 s): 2.1-2.3 s measured (2 cores under
+    # load), the bound ~4 x that; the power tower itself would not end
     assert elapsed < 10.0
 
 

@@ -70,20 +70,29 @@ def test_oom_kill_counted_by_the_cgroup_is_named_as_such():
     assert "OOM killer" in death_message("trainer rank 0", status, 1.0, None, None)  # cannot tell: all causes named
 
 
-def test_signals_reach_the_child():
+def test_signals_reach_the_child(tmp_path):
     """SIGUSR2 (Slurm's time-limit warning, or submitit's local controller) sent to the task process
-    reaches the rank, whose handler sees it."""
+    reaches the rank, whose handler sees it. The signal is sent once the rank says its handler is
+    in place (a file), not a second after the start, which a fork on a loaded machine can outlast."""
+    ready = tmp_path / "handler-installed"
+
     def waits_for_usr2():
         seen = []
         signal.signal(signal.SIGUSR2, lambda *_: seen.append(1))
-        deadline = time.time() + 10
+        ready.touch()
+        deadline = time.time() + 60  # only bounds a hang
         while not seen and time.time() < deadline:
             time.sleep(0.01)
         return bool(seen)
 
     parent = os.getpid()
-    sender = subprocess.Popen([sys.executable, "-c", f"import os, signal, time; time.sleep(1.0); "
-                                                    f"os.kill({parent}, signal.SIGUSR2)"])
+    sender = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, time
+        deadline = time.time() + 60
+        while not os.path.exists({str(ready)!r}) and time.time() < deadline:
+            time.sleep(0.01)
+        os.kill({parent}, signal.SIGUSR2)
+    """)])
     previous = signal.signal(signal.SIGUSR2, signal.SIG_IGN)
     try:
         assert run_supervised(waits_for_usr2, "trainer rank 0") is True

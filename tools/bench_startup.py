@@ -1,6 +1,6 @@
 """Where a local run's start and end go: the tiny quickstart launched a few times, split in parts.
 
-    python tools/bench_startup.py [--runs 3] [--out DIR]
+    python tools/bench_startup.py [--runs 4] [--out DIR] [--no-rank-server]
 
 Each run is `python -m rft.launch +experiment=quickstart` with 4 SFT and 3 GRPO steps, as a user
 types it. The first run may start the rank server (rft/runtime/rank_server.py: it imports torch,
@@ -40,12 +40,13 @@ TARGETS = {"launcher_s": 1.5, "first_step_s": 8.0, "end_s": 1.0}
 _SUBMITIT_START = re.compile(r"submitit INFO \((.+?)\) - Starting with JobEnvironment")
 
 
-def launch(run_dir: str) -> dict[str, float]:
+def launch(run_dir: str, *overrides: str) -> dict[str, float]:
     """One timed launch: the absolute time each launcher line appeared, and when it started."""
     started = time.time()
     launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=local",
                                  f"run.output_dir={run_dir}", "stages.0.trainer.max_steps=4",
-                                 "stages.1.trainer.max_steps=3", "monitor.progress=false", "monitor.plots=false"],
+                                 "stages.1.trainer.max_steps=3", "monitor.progress=false", "monitor.plots=false",
+                                 *overrides],
                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen: dict[str, float] = {"start": started}
     lines = []
@@ -87,12 +88,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=4, help="launches; the first is reported as cold")
     parser.add_argument("--out", default=None, help="where the runs go (default: a temporary directory)")
+    parser.add_argument("--no-rank-server", action="store_true",
+                        help="start every rank as a fresh interpreter (cluster.rank_server_idle_min=0), to compare")
     args = parser.parse_args()
     out = args.out or tempfile.mkdtemp(prefix="rft-bench-startup-")
     rows = []
     for index in range(args.runs):
         run_dir = os.path.join(out, f"run{index}")
-        row = parts(run_dir, launch(run_dir))
+        row = parts(run_dir, launch(run_dir, *(["cluster.rank_server_idle_min=0"] if args.no_rank_server else [])))
         rows.append(row)
         print(f"run {index}{' (cold)' if index == 0 else ''}: " + "  ".join(f"{k} {v:.2f}" for k, v in row.items()),
               flush=True)
@@ -101,7 +104,7 @@ def main() -> None:
     met = {key: median[key] <= target for key, target in TARGETS.items()}
     print("median of the warm runs: " + "  ".join(f"{k} {v:.2f}" for k, v in median.items()))
     print("targets: " + "  ".join(f"{k} <= {t} {'met' if met[k] else 'MISSED'}" for k, t in TARGETS.items()))
-    print(json.dumps({"median": median, "cold": {k: round(v, 2) for k, v in rows[0].items()}, "targets": TARGETS,
+    print(json.dumps({"rank_server": not args.no_rank_server, "median": median, "cold": {k: round(v, 2) for k, v in rows[0].items()}, "targets": TARGETS,
                       "met": met, "runs": len(rows), "cores": os.cpu_count()}))
 
 

@@ -198,3 +198,24 @@ def tracked_steps(run_dir, rank: str, tracking_uri: str) -> dict[str, dict[str, 
             if key not in ("step", "stage", "time"):
                 out["jsonl"].setdefault(key, []).append(row["step"])
     return out
+
+
+def process_state(pid: int) -> str:
+    """A process's state letter from /proc (T: stopped, Z: a zombie), "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return ""
+
+
+def stopped_by_fault(run_dir, fault: str, step: int, rank: int | None = None) -> int | None:
+    """The pid of a rank (of rank `rank`, if given) that has stopped itself (SIGSTOP) at `fault`'s
+    point of `step` (RFT_FAULTS, rft/runtime/faults.py: it records that in <run_dir>/faults.jsonl,
+    then stops); None before. Tests wait on it to fault a run at a step, whatever the machine's speed."""
+    try:
+        struck = [json.loads(line) for line in Path(run_dir, "faults.jsonl").read_text().splitlines()]
+    except (OSError, ValueError):  # not written yet, or its line half written
+        return None
+    pids = [row["pid"] for row in struck if (row["fault"], row["step"]) == (fault, step) and rank in (None, row["rank"])]
+    return next((pid for pid in pids if process_state(pid) == "T"), None)

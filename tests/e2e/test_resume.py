@@ -18,7 +18,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -31,6 +30,7 @@ from tests.e2e.helpers import (
     launch,
     launch_until_step,
     mlflow_server,
+    stopped_by_fault,
     tensorboard_scalars,
     tracked_steps,
     wait_for_step,
@@ -116,18 +116,6 @@ def test_killed_run_resumes_from_its_checkpoint_when_launched_again(tmp_path, of
 TRACKED = ("trainer0", "rollout1")  # the ranks that log
 
 
-def _stopped(run_dir, step: int, rank: int) -> bool:
-    """Whether rank `rank` has stopped itself (SIGSTOP) about to generate step `step`
-    (RFT_FAULTS=stop_generating@<step>#<rank>: rft/runtime/faults.py records it, then stops)."""
-    try:
-        struck = [json.loads(line) for line in (run_dir / "faults.jsonl").read_text().splitlines()]
-        pids = [row["pid"] for row in struck if (row["fault"], row["step"], row["rank"]) == ("stop_generating", step,
-                                                                                             rank)]
-        return any(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T" for pid in pids)
-    except (OSError, ValueError):  # not written yet, its line half written, or the process gone
-        return False
-
-
 def _tracker_ids(run_dir, rank: str) -> dict[str, str]:
     return json.loads((run_dir / "metrics" / f"{rank}.trackers.json").read_text())
 
@@ -152,7 +140,7 @@ def _killed_and_resumed(run_dir, overrides, offset, uninterrupted) -> tuple[dict
     try:
         wait_for_step(first, run_dir, CHECKPOINT + 2)
         deadline = time.monotonic() + 300  # only bounds a hang
-        while not _stopped(run_dir, stopped_at, 1):
+        while stopped_by_fault(run_dir, "stop_generating", stopped_at, 1) is None:
             assert first.poll() is None and time.monotonic() < deadline, f"the explorer never stopped at {stopped_at}"
             time.sleep(0.2)
     finally:

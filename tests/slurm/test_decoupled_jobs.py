@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.e2e.helpers import REPO
+from tests.e2e.helpers import REPO, stopped_by_fault
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from chaos import check_run  # noqa: E402
@@ -41,25 +41,6 @@ def _trained(run: Path) -> int:
         return json.loads((run / "trainer" / "progress.json").read_text())["step"]
     except (OSError, ValueError, KeyError):
         return 0
-
-
-def _stopped_at(job_dir: Path, fault: str, step: int) -> bool:
-    """Whether a rank of the job in `job_dir` has stopped itself (SIGSTOP) at `fault`'s point of
-    `step` (RFT_FAULTS, rft/runtime/faults.py: it records that in faults.jsonl, then stops)."""
-    try:
-        struck = [json.loads(line) for line in (job_dir / "faults.jsonl").read_text().splitlines()]
-    except (OSError, ValueError):  # not written yet, or its line half written
-        return False
-    return any(_state(row["pid"]) == "T" for row in struck if row["fault"] == fault and row["step"] == step)
-
-
-def _state(pid: int) -> str:
-    """A process's state letter (T: stopped), "" once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
 
 
 def _cancel_when(ready, job: str, run: Path, launcher: subprocess.Popen, others: list[subprocess.Popen],
@@ -90,7 +71,7 @@ def test_an_explorer_job_and_a_trainer_job_learn_and_each_is_cancelled_and_relau
     explorer = _launch(run, exported_sft_model, "explore", faults=f"stop_generation@{KILLED_IN}")
     trainer = _launch(run, exported_sft_model, "train")
     try:
-        _cancel_when(lambda: _stopped_at(run / "explorer", "stop_generation", KILLED_IN), "explorer", run, explorer,
+        _cancel_when(lambda: stopped_by_fault(run / "explorer", "stop_generation", KILLED_IN) is not None, "explorer", run, explorer,
                      [trainer], signal="KILL")
         explorer = _launch(run, exported_sft_model, "explore")  # the trainer waits for its shards meanwhile
         _cancel_when(lambda: _trained(run) >= 2 * STEPS // 3, "trainer", run, trainer, [explorer])

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.helpers import REPO, stop_launcher
+from tests.e2e.helpers import REPO, stop_launcher, stopped_by_fault
 
 sys.path.insert(0, os.path.join(REPO, "tools"))
 from chaos import check_run  # noqa: E402
@@ -77,27 +77,6 @@ def _trained_steps(run_dir: str) -> int:
     return metrics.read_text().count('"loss/policy"') if metrics.exists() else 0
 
 
-def _state(pid: int) -> str:
-    """A process's state letter (T: stopped), "" once it is gone."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return ""
-
-
-def _stopped(run_dir: str, step: int, rank: int) -> int | None:
-    """The pid of rank `rank` once it has stopped itself (SIGSTOP) about to generate step `step`
-    (RFT_FAULTS=stop_generating@<step>#<rank>, rft/runtime/faults.py: it records that in
-    faults.jsonl, then stops); None before."""
-    try:
-        struck = [json.loads(line) for line in Path(run_dir, "faults.jsonl").read_text().splitlines()]
-    except (OSError, ValueError):  # not written yet, or its line half written
-        return None
-    pids = [row["pid"] for row in struck if (row["fault"], row["step"], row["rank"]) == ("stop_generating", step, rank)]
-    return next((pid for pid in pids if _state(pid) == "T"), None)
-
-
 def _fail_node2_when(env: dict, args: tuple, how: str, ready, faults: str = "") -> dict:
     """Launch (with RFT_FAULTS=`faults`); once `ready()` says the moment has come (the pids of
     ranks it stopped for the fault, to go on after it), `tools/slurm_local.sh <how> 2` and SIGCONT
@@ -140,7 +119,7 @@ def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
     args = (f"run.output_dir={run_dir}", LONG, f"trainer.save_interval={SAVE_EVERY}", f"sync.timeout_s={TIMEOUT_S}")
 
     def cut_off() -> list[int] | None:  # rank 1 stopped before its step CUT_AT: it goes on once cut off
-        pid = _stopped(run_dir, CUT_AT, 1)
+        pid = stopped_by_fault(run_dir, "stop_generating", CUT_AT, 1)
         return None if pid is None else [pid]
 
     cut = _fail_node2_when(two_nodes, args, "cut-node", cut_off, faults=f"stop_generating@{CUT_AT}#1")
@@ -149,7 +128,7 @@ def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
     # rank is about to generate the step after that
     crash_at = (cut["saved"] // SAVE_EVERY + 1) * SAVE_EVERY + 1
     assert crash_at <= STEPS, cut
-    crashed = _fail_node2_when(two_nodes, args, "lose-node", lambda: [] if _stopped(run_dir, crash_at, 1) else None,
+    crashed = _fail_node2_when(two_nodes, args, "lose-node", lambda: [] if stopped_by_fault(run_dir, "stop_generating", crash_at, 1) else None,
                                faults=f"stop_generating@{crash_at}#1")
     _node_back(two_nodes)
     return {"run_dir": run_dir, "cut": cut, "crashed": crashed, "resumed": _launch(two_nodes, *args)}

@@ -16,6 +16,7 @@ import time
 import pytest
 
 from rft.runtime import rank_server
+from tests.e2e.helpers import process_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TASK = ["-u", "-m", "tests.unit.rank_server_task"]
@@ -48,17 +49,9 @@ def _wait_for_file(path, client: subprocess.Popen) -> dict:
 
 def _wait_gone(pid: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while os.path.exists(f"/proc/{pid}") and _state(pid) != "Z":
+    while process_state(pid) not in ("", "Z"):
         assert time.monotonic() < deadline, f"process {pid} is still there after {timeout_s} s"
         time.sleep(0.05)
-
-
-def _state(pid: int) -> str:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "gone"
 
 
 def test_a_task_runs_with_the_clients_fds_environment_cwd_and_exit_code(server, tmp_path):

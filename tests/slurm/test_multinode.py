@@ -128,13 +128,13 @@ def partitioned_crashed_and_resumed(two_nodes, tmp_path_factory) -> dict:
     # rank is about to generate the step after that
     crash_at = (cut["saved"] // SAVE_EVERY + 1) * SAVE_EVERY + 1
     assert crash_at <= STEPS, cut
-    crashed = _fail_node2_when(two_nodes, args, "lose-node", lambda: [] if stopped_by_fault(run_dir, "stop_generating", crash_at, 1) else None,
+    crashed = _fail_node2_when(two_nodes, args, "lose-node",
+                               lambda: [] if stopped_by_fault(run_dir, "stop_generating", crash_at, 1) else None,
                                faults=f"stop_generating@{crash_at}#1")
     _node_back(two_nodes)
     return {"run_dir": run_dir, "cut": cut, "crashed": crashed, "resumed": _launch(two_nodes, *args)}
 
 
-@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(partitioned_crashed_and_resumed, two_nodes):
     run_dir, result = partitioned_crashed_and_resumed["run_dir"], partitioned_crashed_and_resumed["resumed"]
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -149,7 +149,6 @@ def test_trainer_and_rollout_on_two_nodes_meet_at_the_first_nodes_address(partit
     assert _steps_on(two_nodes, job_id) == [f"{job_id}.0|node[1-2]|2|COMPLETED"]
 
 
-@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_a_partitioned_node_is_named_within_the_bound(partitioned_crashed_and_resumed):
     """node2's link down: its rank lives on, but rank 0's store stops answering it. Its pulse
     records that, and the launcher names it, its node and its last log lines once that has lasted
@@ -168,7 +167,6 @@ def test_a_partitioned_node_is_named_within_the_bound(partitioned_crashed_and_re
     assert cut["after"] < TIMEOUT_S + 2 * PULSE_S + 15, cut["after"]
 
 
-@pytest.mark.heavy  # the partitioned-and-crashed run: minutes, and timing bounds a loaded machine misses
 def test_a_crashed_node_is_named_within_the_bound_and_the_run_resumes_losing_nothing(partitioned_crashed_and_resumed):
     """node2 crashes while the trainer waits for its next step's experience; once the rollout rank's
     pulse has been silent for sync.timeout_s + 2 x SILENT_S (the launcher's hang bound,

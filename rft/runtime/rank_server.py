@@ -269,9 +269,8 @@ class _Server:
 
     def _become_task(self, request: dict, fds: list[int], conn: socket.socket) -> None:
         signal.set_wakeup_fd(-1)
-        for signum in (signal.SIGCHLD, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for signum in (signal.SIGCHLD, *_SIGNALS):  # as a fresh interpreter has them
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
         for sock in (self.listener, self.wake_read, self.wake_write, conn, *self.tasks.values()):
             sock.close()
         self.lock.close()  # else a task outliving the server would keep the next one from starting

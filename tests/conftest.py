@@ -88,29 +88,55 @@ def exported_grpo_model(quickstart_run) -> str:
     return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS + QUICKSTART_GRPO_STEPS)
 
 
-# The order the suite runs in, and with pytest-xdist (README: `pytest -n 2`; pyproject's addopts give
-# `--dist loadfile`) what runs together: tests/slurm first, as one unit of work (its files share one
-# Slurm on fixed ports, started and stopped by a session fixture, and mostly wait on Slurm, so they
-# overlap well with CPU-bound tests on the other worker); then each file as a unit (its module
-# fixtures are built once), the long launches of e2e and dist before the many short unit files that
-# even out the two workers' ends.
+# The order the suite runs in, and what runs side by side under pytest-xdist (README: `-n 2`; pyproject's
+# addopts give `--dist loadfile`). Two workers on 2 cores pay only where a core idles. tests/slurm
+# mostly waits (on Slurm, on the timeouts its faults must outlast, on nodes coming back): run alone it
+# kept 1.2 cores busy, tests/unit 0.9, where a local launch's ranks keep about 1.6 busy (CPU seconds
+# over wall seconds, each folder run alone, 2-core AMD EPYC, 2026-11-29). So the first worker runs
+# tests/slurm (one unit of work: one Slurm on fixed ports, started and stopped by a session fixture),
+# then the launches of tests/e2e one after another; the second runs the files of _BESIDE_SLURM in the
+# meantime. Dealing each file to whichever worker was free (xdist's own loadfile) put two launches side
+# by side: 107 min, as long as one after another, with timing bounds missed under the doubled load.
 _FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
 _ONE_UNIT = "tests/slurm/"
+_BESIDE_SLURM = ("tests/unit/", "tests/dist/")
 
 
 def pytest_xdist_make_scheduler(config, log):
-    """xdist's per-file scheduling with tests/slurm as one unit. (xdist's own `loadgroup` would do it
-    from marks, but it renames node ids in a way pytest 9.2 no longer sees: the groups were split.)"""
+    """xdist's per-file scheduling with tests/slurm as one unit and, on 2 workers, the split above.
+    (xdist's own `loadgroup` would group from marks, but it renames node ids in a way pytest 9.2 no
+    longer sees: the groups were split.)"""
     if config.getvalue("dist") != "loadfile":
         return None  # another --dist given on the command line: xdist's own
     from xdist.scheduler import LoadFileScheduling
 
-    class FileOrSlurmScheduling(LoadFileScheduling):
+    class BesideSlurmScheduling(LoadFileScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
             return _ONE_UNIT if path.startswith(_ONE_UNIT) else path
 
-    return FileOrSlurmScheduling(config, log)
+        def schedule(self) -> None:
+            """On 2 workers: every unit handed out at once, in the suite's order, to the worker
+            its folder runs on (above); else xdist's own dealing."""
+            if self.collection is not None or len(self.nodes) != 2 or not self._check_nodes_have_same_collection():
+                return super().schedule()
+            collection = list(next(iter(self.registered_collections.values())))
+            units: dict[str, dict[str, bool]] = {}
+            for nodeid in collection:
+                units.setdefault(self._split_scope(nodeid), {})[nodeid] = False
+            beside = {scope: unit for scope, unit in units.items() if scope.startswith(_BESIDE_SLURM)}
+            if not beside or len(beside) == len(units):
+                return super().schedule()  # nothing to put side by side
+            self.collection = collection
+            launches, quiet = sorted(self.nodes, key=lambda node: node.gateway.id)
+            for scope, unit in units.items():
+                node = quiet if scope in beside else launches
+                self.assigned_work[node][scope] = unit
+                node.send_runtest_some([self.registered_collections[node].index(nodeid) for nodeid in unit])
+            for node in self.nodes:
+                node.shutdown()  # each has all its work: it ends once that is done
+
+    return BesideSlurmScheduling(config, log)
 
 
 def pytest_collection_modifyitems(config, items):

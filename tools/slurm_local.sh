@@ -164,6 +164,9 @@ JobCompType=jobcomp/none
 KillWait=5
 # a requeued job may start again after the credential lifetime (default 120 s); tests requeue
 AuthInfo=cred_expire=10
+# and is started by the next scheduling pass once eligible: by default the main loop runs every 60 s
+# and backfill every 30 s (a requeued job waited 35 s after its credential expired, seen)
+SchedulerParameters=sched_interval=1,bf_interval=1
 MinJobAge=300
 ${gres_types}${node_lines}
 PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP

@@ -38,7 +38,8 @@ class ClusterConfig:
     qos: Optional[str] = None  # slurm quality of service
     constraint: Optional[str] = None  # slurm node features, e.g. "a100&ib"
     nodes: int = 1  # nodes in the allocation
-    gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs
+    gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs (local: if this node shows GPUs)
+    devices: Optional[list[str]] = None  # local runs on a GPU node: the GPUs the ranks take, in rank order (CUDA_VISIBLE_DEVICES entries); None: those the launcher sees
     cpus_per_task: int = 1  # CPU cores per task
     mem_gb: Optional[int] = None  # memory per node (None: the partition's default)
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load ...)

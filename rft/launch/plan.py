@@ -55,6 +55,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         table.add_row("colocated", colocation_line(cfg))
     if cfg.cluster.kind == "slurm" and cfg.cluster.nodes > 1:
         table.add_row("nodes", nodes_line(cfg))
+    if cfg.cluster.kind == "local" and cfg.cluster.gpus_per_node:
+        table.add_row("GPUs", gpus_line(cfg))
     if cfg.mode in ("both", "explore") and cfg.cluster.judge_ranks:
         first = t + r if cfg.mode == "both" else r
         table.add_row("judge ranks", f"{list(range(first, first + cfg.cluster.judge_ranks))}  (frozen vLLM, "
@@ -111,6 +113,15 @@ def nodes_line(cfg: RFTConfig) -> str:
         roles = dict.fromkeys(Topology.of(cfg, rank).role for rank in ranks)
         lines.append(f"node {node}: {rank_ranges(ranks)} ({', '.join(roles)})")
     return "\n".join(lines) + "\n(rank 0 hosts the rendezvous at the first node's Slurm address)"
+
+
+def gpus_line(cfg: RFTConfig) -> str:
+    """The GPU each rank of a local run on a GPU node takes (rft/launch/local_gpus.py)."""
+    from rft.launch.local_gpus import rank_gpus
+
+    lines = [f"rank {rank} ({role}): GPU {','.join(gpus)}" for rank, role, gpus in rank_gpus(cfg)]
+    shared = " (colocated: rollout rank T+i on trainer rank i's)" if cfg.cluster.colocate else ""
+    return "\n".join(lines) + f"\n(of this node's CUDA_VISIBLE_DEVICES{shared})"
 
 
 def rank_ranges(ranks: list[int]) -> str:

@@ -132,20 +132,14 @@ def partition_gpus(partition: str | None) -> tuple[str, int] | None:
 def resolve_gpus(cfg: RFTConfig) -> str | None:
     """Settle `cluster.gpus_per_node` before validation, and refuse to run a model that needs
     GPUs (`model.needs_gpu`) where the ranks get none. Unset (None) on Slurm: one GPU per rank when
-    the partition's nodes have GPUs (sinfo), CPU nodes otherwise; unset locally: 0 (the ranks use
-    this machine's GPUs when torch sees them). Returns a line saying what auto chose, or None."""
+    the partition's nodes have GPUs (sinfo), CPU nodes otherwise; locally: one per rank of the GPUs
+    this node shows (rft/launch/local_gpus.py). Returns a line saying what auto chose, or None."""
     c = cfg.cluster
-    needs = f"model {cfg.model.name} needs GPUs (model.needs_gpu=true)"
     if c.kind != "slurm":
-        c.gpus_per_node = c.gpus_per_node or 0
-        if cfg.model.needs_gpu:
-            import torch
+        from rft.launch.local_gpus import resolve_local_gpus
 
-            if not torch.cuda.is_available():
-                config_error("model.needs_gpu", True, f"{needs} and this machine has none (cluster={c.kind}); "
-                             "run it on a GPU node or through Slurm (cluster=slurm), or pick a smaller model, "
-                             "e.g. model=smollm2_135m")
-        return None
+        return resolve_local_gpus(cfg)
+    needs = f"model {cfg.model.name} needs GPUs (model.needs_gpu=true)"
     if c.gpus_per_node is not None:
         if c.gpus_per_node == 0 and cfg.model.needs_gpu:
             config_error("cluster.gpus_per_node", 0, f"{needs}: ask for GPUs, e.g. cluster.gpus_per_node=8")

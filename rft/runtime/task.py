@@ -158,7 +158,7 @@ def _watch_engine_pulses(cfg, topology):
 
 def _rank_main(config: dict, master_port: int) -> dict:
     from rft.runtime.rendezvous import host_address, this_node, wait_until_reachable
-    from rft.runtime.topology import engine_devices, init_trainer_group
+    from rft.runtime.topology import engine_devices, init_trainer_group, rank_devices
 
     cfg, topology = _rank_setup(config, master_port)
     if cfg.mode == "bench":  # one rollout task, no trainer, no weight sync
@@ -171,9 +171,10 @@ def _rank_main(config: dict, master_port: int) -> dict:
     from rft.runtime.pulse import Pulse
 
     pulse = Pulse(pid_path(cfg.run.output_dir, topology.rank))  # the launcher tells a stopped rank by it
+    devices = rank_devices(cfg.cluster, topology)
     print(f"rank {topology.rank}/{topology.world_size}: {topology.role} (role rank {topology.role_rank}) on "
           f"{this_node()} ({host_address(topology.master_addr)}), "
-          f"rank 0 at {topology.master_addr}:{topology.master_port}", flush=True)
+          f"rank 0 at {topology.master_addr}:{topology.master_port}" + (f", GPU {devices}" if devices else ""), flush=True)
     if topology.rank != 0 and topology.master_node:  # fail in seconds, not sync.timeout_s, if it is unreachable
         wait_until_reachable(topology.master_addr, topology.control_port, topology.master_node)
         pulse.reach = (topology.master_addr, topology.control_port)  # and a partition is named by it

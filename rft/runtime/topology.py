@@ -69,7 +69,13 @@ class Topology:
         # GPU choice on multi-GPU nodes; colocated, local ranks g and g + gpus_per_node share GPU g
         # (rft/launch/slurm.py places them so)
         gpus = cfg.cluster.gpus_per_node if cfg.cluster.colocate else 0
-        os.environ.setdefault("LOCAL_RANK", str(env.local_rank % gpus if gpus else env.local_rank))
+        local_rank = str(env.local_rank % gpus if gpus else env.local_rank)
+        if cfg.cluster.kind == "local" and cfg.cluster.devices:
+            # submitit's local executor hides the launcher's GPUs from its tasks: each rank sees the
+            # run's (rft/launch/local_gpus.py) and picks its own by LOCAL_RANK, as on a Slurm node
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(cfg.cluster.devices)
+            os.environ["LOCAL_RANK"] = local_rank
+        os.environ.setdefault("LOCAL_RANK", local_rank)
         topology = cls.of(cfg, env.global_rank, "127.0.0.1", master_port)
         if env.num_tasks != topology.world_size:
             raise RuntimeError(f"job has {env.num_tasks} tasks but this mode's trainer + rollout + judge ranks "
@@ -224,6 +230,15 @@ def init_trainer_group(topology: Topology, timeout_s: float) -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", topology.rank % torch.cuda.device_count())))
     dist.init_process_group(backend, rank=topology.rank, world_size=topology.trainer_ranks,
                             timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def rank_devices(cluster: ClusterConfig, topology: Topology) -> str:
+    """The GPUs this rank computes on ("" on CPU nodes, and for an engine's or a judge's followers,
+    whose GPUs their leader's vLLM drives): a trainer rank its own, a leader its span's."""
+    if not cluster.gpus_per_node or topology.is_engine_follower or topology.is_judge_follower:
+        return ""
+    span = {"rollout": topology.engine_span, "judge": topology.judge_span}.get(topology.role, 1)
+    return engine_devices(cluster, span)
 
 
 def engine_devices(cluster: ClusterConfig, span: int) -> str:

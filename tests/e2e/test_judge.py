@@ -23,6 +23,11 @@ from tests.e2e.helpers import launch_until_step, progress_step, stop_launcher, t
 
 SFT, RELATIVE, JUDGED, TIMEOUT_S = 20, 2, 6, 3
 RELATIVE_TASKS = 8  # groups a relative step sends the judge, each one prompt of ~1000 tokens
+# tasks an llm_judge step sends (x 8 answers, one judge call each). The live judge must answer each
+# step's calls within TIMEOUT_S while the rollout and trainer ranks share the 2 cores: the
+# quickstart's 32 tasks (256 calls at once) did not on a loaded CI machine (178 of 256 timed out,
+# 2026-11-28); 4 tasks (32 calls) are answered in well under a second here.
+JUDGED_TASKS = 4
 GRPO = RELATIVE + JUDGED
 QUICKSTART = Path(__file__).resolve().parents[2] / "conf" / "experiment" / "quickstart.yaml"
 
@@ -41,7 +46,7 @@ def _stages() -> str:
     relative = {"name": "relative", "algorithm": {**grpo["algorithm"], "reward": "relative_judge"},
                 "rollout": {"tasks_per_step": RELATIVE_TASKS}, "trainer": {**grpo["trainer"], "max_steps": RELATIVE}}
     judged = {**grpo, "algorithm": {**grpo["algorithm"], "reward": "llm_judge"},
-              "trainer": {**grpo["trainer"], "max_steps": JUDGED}}
+              "rollout": {"tasks_per_step": JUDGED_TASKS}, "trainer": {**grpo["trainer"], "max_steps": JUDGED}}
     return "stages=[" + ", ".join(_hydra(stage) for stage in (sft, relative, judged)) + "]"
 
 

@@ -60,14 +60,25 @@ class LossScale:
             self.scale, self.good_steps = self.scale * 2, 0
 
 
+def keeps_step_per_group(optimizer: torch.optim.Optimizer) -> bool:
+    """Transformer Engine's FusedAdam (megatron-core's Adam wherever TE imports) counts its step in
+    the param group and keeps only the states its name_to_dtype_map names per parameter (exp_avg,
+    exp_avg_sq, master_param): its state_dict() and load_state_dict() map every per-parameter key
+    through that map, so torch's per-parameter "step" raises KeyError there
+    (transformer_engine/pytorch/optimizers/fused_adam.py: state_dict -> get_unscaled_state,
+    load_state_dict -> set_scaled_state)."""
+    return hasattr(optimizer, "name_to_dtype_map")
+
+
 def start_adam_state(optimizer: torch.optim.Optimizer) -> None:
-    """Adam's per-parameter state as its first step creates it (step 0, zero moments), on every
-    parameter that has none yet: a checkpoint then holds the same entries before and after the
-    first step, and a sharded checkpoint has tensors to load into. The maths is unchanged: Adam
-    starts from exactly these."""
+    """Adam's per-parameter state as its first step creates it (zero moments, and step 0 where the
+    optimizer counts steps per parameter, as torch's Adam does), on every parameter that has none
+    yet: a checkpoint then holds the same entries before and after the first step, and a sharded
+    checkpoint has tensors to load into. The maths is unchanged: Adam starts from exactly these."""
+    per_parameter_step = not keeps_step_per_group(optimizer)
     for group in optimizer.param_groups:
         for param in group["params"]:
             if not optimizer.state[param]:
-                optimizer.state[param] = {"step": torch.tensor(0.0),
-                                          "exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
-                                          "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+                state = {"exp_avg": torch.zeros_like(param, memory_format=torch.preserve_format),
+                         "exp_avg_sq": torch.zeros_like(param, memory_format=torch.preserve_format)}
+                optimizer.state[param] = {"step": torch.tensor(0.0), **state} if per_parameter_step else state

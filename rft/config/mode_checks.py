@@ -59,6 +59,13 @@ def check_colocate(cfg: RFTConfig) -> None:
     if cfg.sync.lora == "adapter" and vllm_lora_rank(cfg):
         config_error("sync.lora", "adapter", why + "adapters travel over the weight groups, and colocated "
                      "weights through the checkpoint engine: use sync.lora=merged")
+    if level == 2 and cfg.sync.interval > 1:
+        # vLLM's level-2 sleep frees the weights, and waking maps new memory without them ("the rest
+        # will have empty memory": vllm/device_allocator/cumem.py); only a weight sync fills it
+        config_error("rollout.sleep_level", level, why + "level 2 drops the engine's weights at every sleep, and "
+                     f"they come back only at a weight sync, every {cfg.sync.interval} steps (sync.interval): in "
+                     "between the engine would sample from empty memory. Use sync.interval=1, or "
+                     "rollout.sleep_level=1 (weights kept in host memory)")
 
 
 def check_free_run(cfg: RFTConfig) -> None:

@@ -224,9 +224,3 @@ def make_executor(cfg: RFTConfig, folder: str):
         params["additional_parameters"] = extra
     executor.update_parameters(**params)
     return executor
-
-
-def port_for_job(job_id: str) -> int:
-    """The rendezvous port every task of a Slurm job derives alike (the next two are the weight
-    and control stores'): spread over 20000-49999 by job id, so jobs sharing a node rarely collide."""
-    return 20000 + (int(job_id) % 10000) * 3

@@ -211,8 +211,12 @@ def free_port() -> int:
 
 def port_for_job(job_id: str) -> int:
     """The rendezvous port every task of a Slurm job derives alike (the next two are the weight
-    and control stores'): spread over 20000-49999 by job id, so jobs sharing a node rarely collide."""
-    return 20000 + (int(job_id) % 10000) * 3
+    and control stores'): spread over 20000-31999 by job id, so jobs sharing a node rarely collide.
+    Below Linux's default ephemeral range (32768-60999), where no outgoing connection takes its
+    local port: the weight store binds its port only at the first sync, minutes after start, when
+    vLLM, NCCL and the store clients hold many ephemeral ports (free_port's reason, for local runs).
+    A fixed range, not each node's ip_local_port_range: every task must derive the same port."""
+    return 20000 + (int(job_id) % 4000) * 3
 
 
 def init_trainer_group(topology: Topology, timeout_s: float) -> None:

@@ -39,6 +39,8 @@ def test_ranks_roles_and_rendezvous_from_a_4_node_job(monkeypatch, procid, nodei
     assert (info.master_node, info.master_addr) == ("gpu-a017", "10.1.0.17")
     assert os.environ.get("GLOO_SOCKET_IFNAME")  # gloo binds the interface towards it, not the host name's
     assert info.master_port == port_for_job("123457") == 20000 + 3457 * 3
+    # below Linux's default ephemeral range (32768-60999) for every job id, with its two store ports
+    assert max(port_for_job(str(job)) + 2 for job in range(100_000)) < 32768
     assert info.weight_port == info.master_port + 1
     assert os.environ["LOCAL_RANK"] == str(localid)  # which GPU of its node the rank takes
 

@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import os
 import traceback
+from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
 from rft.runtime.pulse import pid_path
+
+if TYPE_CHECKING:
+    from rft.config import RFTConfig
 
 
 def _roll_back_buffer(cfg, topology, resume) -> None:
@@ -156,6 +160,16 @@ def _watch_engine_pulses(cfg, topology):
     return PulseWatch(store, cfg.run.output_dir, topology.losable_ranks, topology.member_name)
 
 
+def rank_threads(cfg: RFTConfig) -> int:
+    """torch's intra-op threads for a rank: trainer.threads, else the cores this process may run on
+    (its CPU set: a Slurm task's cpus_per_task, a taskset; not the node's count, which oversubscribed
+    a task confined to a few cores). Roles take turns when synchronous; with sync.offset or
+    sync.free_run they run at once and would oversubscribe shared cores (measured on 2 cores,
+    tools/bench_async.py: all cores each 0.72 s/step, half 0.33)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset or cfg.sync.free_run else cores)
+
+
 def _rank_main(config: dict, master_port: int) -> dict:
     from rft.runtime.rendezvous import host_address, this_node, wait_until_reachable
     from rft.runtime.topology import engine_devices, init_trainer_group, rank_devices
@@ -180,11 +194,7 @@ def _rank_main(config: dict, master_port: int) -> dict:
         pulse.reach = (topology.master_addr, topology.control_port)  # and a partition is named by it
     import torch
 
-    # roles take turns when synchronous; with sync.offset or sync.free_run they run at once and would
-    # oversubscribe shared cores (measured on 2 cores, tools/bench_async.py: all cores each 0.72 s/step, half 0.33)
-    cores = os.cpu_count() or 1
-    threads = cfg.trainer.threads or max(1, cores // 2 if cfg.sync.offset or cfg.sync.free_run else cores)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(rank_threads(cfg))
     from rft.runtime.checkpoint import newest_complete
     from rft.runtime.preemption import ControlGroup, StopFlag, hold_until_finished
 

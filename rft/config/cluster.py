@@ -15,7 +15,7 @@ class SyncConfig:
     decoupled: bool = False  # rollout stages: mode=explore and mode=train as two jobs on one run.output_dir, sharing only its buffer/ and weights/ (rft/runtime/decoupled.py)
     engine: str = "auto"  # auto (nccl on GPU, gloo on CPU) | nccl | gloo | checkpoint
     bucket_mb: int = 512  # weight-transfer bucket size; two are in flight (double buffering)
-    wire_dtype: str = "auto"  # dtype on the wire: auto (bfloat16 on GPU, model.dtype on CPU) | a dtype
+    wire_dtype: str = "auto"  # dtype on the wire: auto (model.dtype, the engine's: vLLM samples from the weights trained) | a dtype (narrower: fewer bytes, vLLM samples from rounded weights)
     checkpoint_dir: Optional[str] = None  # checkpoint engine: where versions go (default: <run>/weights)
     timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
     lora: str = "merged"  # LoRA stages: merged (W + B A, every weight) | adapter (A and B only, vLLM's LoRA)

@@ -120,9 +120,13 @@ def sync_engine(sync: SyncConfig, on_gpu: bool, colocated: bool = False) -> str:
     return "checkpoint" if colocated or sync.decoupled else ("nccl" if on_gpu else "gloo")
 
 
-def wire_dtype(cfg: RFTConfig, on_gpu: bool) -> str:
-    """The dtype weights travel in: bfloat16 on GPUs by default, the model's dtype on CPU."""
-    return cfg.sync.wire_dtype if cfg.sync.wire_dtype != "auto" else ("bfloat16" if on_gpu else cfg.model.dtype)
+def wire_dtype(cfg: RFTConfig) -> str:
+    """The dtype weights travel in: by default the model's, which vLLM runs in (model.dtype), so the
+    engine samples from the weights the trainer trains. (bfloat16 on GPUs whatever model.dtype was
+    the default: an fp32 model then trained in fp32 while vLLM sampled from bf16-rounded weights,
+    which biases the importance ratios.) A narrower sync.wire_dtype halves the bytes; the plan says
+    the engine then samples from rounded weights."""
+    return cfg.sync.wire_dtype if cfg.sync.wire_dtype != "auto" else cfg.model.dtype
 
 
 def buffer_dir(cfg: RFTConfig) -> str:

@@ -65,7 +65,8 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     engine = cfg.sync.engine if cfg.sync.engine != "auto" or not cfg.cluster.colocate else \
         f"checkpoint (colocated) at {cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, 'weights')}"
     if cfg.mode == "both":  # one role alone moves no weights (decoupled jobs: their row above)
-        table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s")
+        table.add_row("weight sync", f"engine {engine}, {cfg.sync.bucket_mb} MiB buckets, timeout {cfg.sync.timeout_s:.0f}s"
+                      + wire_note(cfg))
         table.add_row("schedule", schedule_line(cfg))
     context, stages = context_length(cfg.model), stage_configs(cfg)
     table.add_row("stages", ", ".join(f"{n}: {s.algorithm.name} x {s.trainer.max_steps} steps" for n, s in stages))
@@ -85,6 +86,17 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def wire_note(cfg: RFTConfig) -> str:
+    """What the plan says where weights travel in another dtype than vLLM runs in."""
+    from rft.config import wire_dtype
+
+    wire = wire_dtype(cfg)
+    if wire == cfg.model.dtype:
+        return ""
+    return (f"\n[yellow]weights travel in {wire} (sync.wire_dtype) and vLLM runs {cfg.model.dtype} (model.dtype): the "
+            "engine samples from rounded weights, not the ones trained[/yellow]")
 
 
 def decoupled_line(cfg: RFTConfig) -> str:

@@ -32,7 +32,7 @@ class WeightPublisher:
         # DP replica 0 exports; under expert parallelism the ranks holding the rest of its experts
         # (expert-DP rank 0) join in, for the experts' all-gather
         self.exports = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
-        self.wire = getattr(torch, wire_dtype(cfg, on_gpu))
+        self.wire = getattr(torch, wire_dtype(cfg))
         self.sender = None
         self.cfg, self.topology, self.on_gpu = cfg, topology, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path

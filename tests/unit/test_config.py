@@ -294,3 +294,14 @@ def test_what_a_reward_or_advantage_needs_comes_from_its_metadata_not_its_name(t
                       "algorithm.group_size=1")
     with pytest.raises(ValueError, match="algorithm.group_size=1 is invalid: advantage grpo_per_turn compares"):
         validate(cfg)
+
+
+def test_weights_travel_in_the_engines_dtype_unless_set_and_the_plan_says_when_they_differ(tmp_path):
+    from rft.config import wire_dtype
+    from rft.launch.plan import wire_note
+
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "model.dtype=float32")
+    assert wire_dtype(cfg) == "float32" and wire_note(cfg) == ""  # vLLM samples from the weights trained
+    cfg = compose_cfg("+experiment=quickstart", f"run.output_dir={tmp_path}", "sync.wire_dtype=bfloat16")
+    assert wire_dtype(cfg) == "bfloat16"
+    assert "weights travel in bfloat16 (sync.wire_dtype) and vLLM runs float32 (model.dtype)" in wire_note(cfg)

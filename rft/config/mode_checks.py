@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from rft.config.derived import needs_rollouts, stage_configs, vllm_lora_rank
+from rft.config.derived import needs_rollouts, stage_configs, sync_engine, vllm_lora_rank
 from rft.config.errors import config_error
 from rft.config.run import RFTConfig
 
@@ -28,6 +28,14 @@ def check_engine_failure(cfg: RFTConfig) -> None:
     if policy == "continue" and cfg.cluster.rollout_ranks // max(span, 1) < 2:
         config_error("rollout.on_engine_failure", policy, "continue needs two engines or more "
                      f"(cluster.rollout_ranks={cfg.cluster.rollout_ranks} makes one): nothing could go on")
+    on_gpu = bool(cfg.cluster.gpus_per_node)
+    if policy == "continue" and sync_engine(cfg.sync, on_gpu, cfg.cluster.colocate) == "nccl":
+        # a broadcast to an engine that died never completes, and NCCL's watchdog then aborts the
+        # sender's process (torch's TORCH_NCCL_ASYNC_ERROR_HANDLING default): the trainer would die with it
+        config_error("rollout.on_engine_failure", policy, "continue cannot be honoured over NCCL (sync.engine="
+                     f"{cfg.sync.engine} on GPUs): a weight broadcast to an engine that died aborts the trainer's "
+                     "process (NCCL's watchdog). Use sync.engine=gloo (a lost engine times out instead; slower) "
+                     "or sync.engine=checkpoint, or rollout.on_engine_failure=fail")
 
 
 def check_colocate(cfg: RFTConfig) -> None:

@@ -193,6 +193,9 @@ def test_site_profile_composes_from_the_repo_and_from_a_config_dir(tmp_path):
     (["rollout.on_engine_failure=retry"], "use fail"),
     (["rollout.on_engine_failure=continue"], "two engines or more"),  # the quickstart has one
     (["rollout.on_engine_failure=continue", "cluster.rollout_ranks=2", "mode=explore"], "mode=both"),
+    # on GPUs the weights go over NCCL, whose watchdog aborts the trainer when an engine dies mid-broadcast
+    (["rollout.on_engine_failure=continue", "cluster.rollout_ranks=2", "cluster.gpus_per_node=3"],
+     "cannot be honoured over NCCL"),
 ])
 def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, why):
     cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}", *overrides)
@@ -201,6 +204,8 @@ def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, wh
     cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}",
                       "rollout.on_engine_failure=continue", "cluster.rollout_ranks=2")
     validate(cfg)  # two engines training: accepted
+    cfg.cluster.gpus_per_node, cfg.sync.engine = 3, "gloo"
+    validate(cfg)  # and on GPUs over gloo, where a lost engine times out
 
 
 @pytest.mark.parametrize("change, says", [

@@ -73,9 +73,32 @@ class WeightGroup:
         self.broadcast_async(tensor, what).wait()
 
 
+def wait_for_members(store: dist.Store, name: str, rank: int, world_size: int, timeout_s: float,
+                     peer_names: list[str]) -> None:
+    """Check in at group `name` and wait at most `timeout_s` for every member to do the same;
+    PeerTimeoutError names the members that did not come."""
+    arrived = [f"arrived/{member}" for member in range(world_size)]
+    store.set(arrived[rank], b"1")
+    try:
+        store.wait(arrived, datetime.timedelta(seconds=timeout_s))
+    except Exception as err:  # torch's DistStoreError (a timeout) or a store that went away
+        missing = [peer_names[m] for m, key in enumerate(arrived) if not _has(store, key)]
+        raise PeerTimeoutError(f"weight group {name}: {', '.join(missing) or 'a member'} did not come to open it "
+                               f"within {timeout_s:.0f}s (this is {peer_names[rank]}): {err}") from err
+
+
+def _has(store: dist.Store, key: str) -> bool:
+    try:
+        return store.check([key])
+    except Exception:  # the store itself is gone
+        return False
+
+
 def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, timeout_s: float,
                       peer_names: list[str], backend: str = "gloo") -> WeightGroup:
-    """Join weight group `name` as group rank `rank` (0 = the sender). Blocks until all joined.
+    """Join weight group `name` as group rank `rank` (0 = the sender). Blocks until all joined, at
+    most `timeout_s` (PeerTimeoutError naming who did not come); an NCCL group's communicator is
+    built here, not in the first broadcast.
 
     `peer_names[i]` describes group rank i (e.g. "trainer rank 0 (PP stage 0)", "rollout rank 1
     worker 0") so errors name the peer in terms the user knows. `backend` is "gloo" (CPU tensors)
@@ -83,11 +106,17 @@ def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, 
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(f"rft-weights/{name}", store)
+    wait_for_members(prefixed, name, rank, world_size, timeout_s, peer_names)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
         pg = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         device = torch.device("cuda", torch.cuda.current_device())
+        # NCCL builds its communicator at the first collective unless asked now (torch's
+        # init_process_group does the same when given a device_id: distributed_c10d.py). Now, every
+        # member is known to be here; inside the first broadcast the build waits for members with no
+        # timeout of its own, and a receiver that never came hung the sender, trainer rank 0
+        pg.eager_connect_single_device(device)
     elif backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
         device = torch.device("cpu")

@@ -150,3 +150,51 @@ def test_checkpoint_engine_round_trip_and_pruning(tmp_path):
     assert version == 3  # the newest complete version
     assert set(got) == {n for n, _, _ in TABLE[:3]} and all(torch.equal(t, torch.full_like(t, 3.0)) for t in got.values())
     assert sorted(os.listdir(layout.checkpoint_dir)) == ["v000002", "v000003"]  # older ones pruned
+
+
+def test_a_receiver_that_never_comes_is_named_when_the_group_opens(tmp_path):
+    from rft.runtime.topology import free_port
+
+    layout = _layout(free_port(), 2.0)
+    start = time.time()
+    with pytest.raises(PeerTimeoutError, match=r"weight group stage0: rollout rank 1 worker 0 did not come to open it "
+                                               r"within 2s \(this is trainer rank 0 \(PP stage 0\)\)"):
+        make_sender(layout, 0).send(TABLE, _tensors(), 1)
+    assert time.time() - start < 2.0 + 5  # its 2 s timeout; the bound leaves 5 s for a loaded machine
+
+
+class NCCLRule:
+    """Contract stand-in for torch's ProcessGroupNCCL where rft meets it (CPU CI has no NCCL): the
+    communicator is built by the first collective unless `eager_connect_single_device(device)` asks
+    for it earlier (torch/distributed/distributed_c10d.py does so for a device_id), and building it
+    waits for every member with no timeout of its own (ncclCommInitRank). `built_by` records which."""
+
+    made: list = []
+
+    class Options:
+        _timeout = None
+
+    def __init__(self, store, rank, world_size, options):
+        self.built_by = None
+        NCCLRule.made.append(self)
+
+    def eager_connect_single_device(self, device):
+        self.built_by = "open"
+
+
+def test_an_nccl_group_is_built_when_it_opens_once_every_member_came(monkeypatch):
+    import torch.distributed as dist
+
+    from rft.weights.group import open_weight_group
+
+    monkeypatch.setattr(dist, "ProcessGroupNCCL", NCCLRule, raising=False)  # absent from CPU builds
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    NCCLRule.made.clear()
+    store = dist.HashStore()
+    names = ["trainer rank 0 (PP stage 0)", "rollout rank 1 worker 0"]
+    with pytest.raises(PeerTimeoutError, match="rollout rank 1 worker 0 did not come"):
+        open_weight_group(store, "stage0", 0, 2, 1.0, names, backend="nccl")
+    assert NCCLRule.made == []  # no communicator build began: it would have waited for rank 1 forever
+    store.set("rft-weights/stage0/arrived/1", b"1")  # the receiver comes
+    group = open_weight_group(store, "stage0", 0, 2, 1.0, names, backend="nccl")
+    assert group.pg.built_by == "open"  # not inside the first broadcast, where no timeout bounds it

@@ -67,6 +67,13 @@ def check_colocate(cfg: RFTConfig) -> None:
     if cfg.sync.lora == "adapter" and vllm_lora_rank(cfg):
         config_error("sync.lora", "adapter", why + "adapters travel over the weight groups, and colocated "
                      "weights through the checkpoint engine: use sync.lora=merged")
+    if cfg.rollout.partial_rollout:
+        # admit() resumes vLLM's scheduling as the weight load ends (vllm_engine.updating_weights),
+        # and colocated, the KV cache wakes only after the load (colocation.EngineSleep.loading): a
+        # request queued meanwhile (the OpenAI endpoint) would run on KV memory not yet mapped
+        config_error("rollout.partial_rollout", True, why + "a cut request resumes as the weights are loaded, "
+                     "before the sleeping engine's KV cache is awake; colocated runs take turns and have nothing "
+                     "in flight at a sync anyway: use rollout.partial_rollout=false")
     if level == 2 and cfg.sync.interval > 1:
         # vLLM's level-2 sleep frees the weights, and waking maps new memory without them ("the rest
         # will have empty memory": vllm/device_allocator/cumem.py); only a weight sync fills it

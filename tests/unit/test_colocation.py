@@ -92,6 +92,8 @@ def test_a_colocated_gpu_job_puts_trainer_i_and_rollout_t_plus_i_on_one_gpu(tmp_
     ({"rollout.sleep_level": 3}, "rollout.sleep_level"),
     # level 2 drops the weights at each sleep; only a sync brings them back
     ({"rollout.sleep_level": 2, "sync.interval": 2}, "rollout.sleep_level"),
+    # a cut request would resume inside the weight load, before the KV cache wakes
+    ({"rollout.partial_rollout": True}, "rollout.partial_rollout"),
 ])
 def test_combinations_colocation_cannot_run_are_refused_naming_the_key(tmp_path, change, key):
     cfg = compose_cfg("+experiment=quickstart", "cluster=local", "cluster.colocate=true", f"run.output_dir={tmp_path}",

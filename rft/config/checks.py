@@ -20,6 +20,7 @@ from omegaconf import ListConfig
 from rft.config import judge_checks, layout_checks, mode_checks, plugin_checks
 from rft.config.derived import generated_data, needs_rollouts, stage_configs
 from rft.config.errors import config_error
+from rft.config.memory_checks import check_colocated_memory
 from rft.config.model import context_length
 from rft.config.run import RFTConfig
 from rft.config.trainer import LORA_TARGETS
@@ -91,6 +92,7 @@ def validate(cfg: RFTConfig) -> None:
         mode_checks.check_serve(cfg)
     mode_checks.check_engine_failure(cfg)
     mode_checks.check_colocate(cfg)
+    check_colocated_memory(cfg, cfg.cluster.gpu_memory_gb)
     mode_checks.check_free_run(cfg)
     mode_checks.check_decoupled(cfg)
     from rft.runtime.trackers import check_trackers

@@ -39,6 +39,7 @@ class ClusterConfig:
     constraint: Optional[str] = None  # slurm node features, e.g. "a100&ib"
     nodes: int = 1  # nodes in the allocation
     gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs (local: if this node shows GPUs)
+    gpu_memory_gb: Optional[float] = None  # memory of each GPU, for the colocated-memory check before submit; None: nvidia-smi's on a local GPU run, else not checked
     devices: Optional[list[str]] = None  # local runs on a GPU node: the GPUs the ranks take, in rank order (CUDA_VISIBLE_DEVICES entries); None: those the launcher sees
     cpus_per_task: int = 1  # CPU cores per task
     mem_gb: Optional[int] = None  # memory per node (None: the partition's default)

@@ -45,6 +45,19 @@ def visible_gpus() -> list[str]:
         return []
 
 
+def gpu_memory_gb() -> float | None:
+    """The smallest memory of this node's GPUs in GB, as nvidia-smi reports it (None without it)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        sizes = [float(line) * 2**20 / 1e9 for line in out.stdout.split()] if out.returncode == 0 else []
+    except (OSError, subprocess.TimeoutExpired, ValueError):
+        return None
+    return min(sizes) if sizes else None
+
+
 def gpu_ranks(cfg: RFTConfig) -> int:
     """GPUs the layout takes: one per rank, or one per trainer rank when colocated."""
     return cfg.cluster.trainer_ranks if cfg.cluster.colocate and cfg.mode == "both" else world_size(cfg)
@@ -85,6 +98,8 @@ def resolve_local_gpus(cfg: RFTConfig) -> str | None:
                      f"the ranks take one GPU each, {need} GPUs ({layout}): leave cluster.gpus_per_node unset "
                      "(the launcher counts them) or set it to that")
     c.gpus_per_node, c.devices = need, shown[:need]
+    if c.gpu_memory_gb is None:
+        c.gpu_memory_gb = gpu_memory_gb()
     return (f"cluster.gpus_per_node=auto -> {need}: GPUs {','.join(c.devices)} of the {len(shown)} this node "
             "shows, one per rank")
 

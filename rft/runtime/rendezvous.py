@@ -26,7 +26,7 @@ import time
 
 REACH_BUDGET_S = 45.0  # rank 0 hosts the store within seconds of starting: imports, no model yet
 SETTINGS = "set cluster.rendezvous_addr to an address of the first node the others reach, or pick the " \
-           "network with cluster.env.GLOO_SOCKET_IFNAME"
+           "network with +cluster.env.GLOO_SOCKET_IFNAME=<interface>"
 
 
 class RendezvousError(RuntimeError):

@@ -1,0 +1,1 @@
+"""`python -m rft.doctor [overrides]`: a preflight of this node for a run (rft/doctor/checks.py)."""

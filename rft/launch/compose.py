@@ -81,9 +81,8 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
     from rft.launch.slurm import check_against_cluster, check_request, resolve_gpus, resolve_kind
 
     if cfg.cluster.kind == "auto":
-        cfg.cluster.kind = resolve_kind(cfg.cluster)
-        print(f"rft: cluster=auto -> {cfg.cluster.kind} "
-              f"({'a Slurm controller answers' if cfg.cluster.kind == 'slurm' else 'no Slurm controller answers'})")
+        cfg.cluster.kind, why = resolve_kind(cfg.cluster)
+        print(f"rft: cluster=auto -> {cfg.cluster.kind} ({why})")
     note = resolve_gpus(cfg)
     if note:
         print(f"rft: {note}")

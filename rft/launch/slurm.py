@@ -34,11 +34,38 @@ def slurm_answers() -> bool:
     return shutil.which("sbatch") is not None and _run(["sinfo", "-h", "-o", "%P"]) is not None
 
 
-def resolve_kind(cluster: ClusterConfig) -> str:
-    """`auto` -> slurm when a controller answers, else local; explicit kinds pass through."""
+def allocation_here() -> tuple[str, int] | None:
+    """(job id, its node count) of the Slurm job this launcher runs inside, on one of the job's
+    own nodes (a batch script, `srun --pty`); None elsewhere. salloc's shell has SLURM_JOB_ID too
+    but usually runs on the login node, on none of the job's nodes."""
+    import socket
+
+    job, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
+    if not job or not nodelist:
+        return None
+    hosts = (_run(["scontrol", "show", "hostnames", nodelist]) or nodelist).split()
+    here = {socket.gethostname(), socket.gethostname().split(".")[0], os.environ.get("SLURMD_NODENAME", "")}
+    if not here & set(hosts):
+        return None
+    return job, int(os.environ.get("SLURM_JOB_NUM_NODES", len(hosts)))
+
+
+def resolve_kind(cluster: ClusterConfig) -> tuple[str, str]:
+    """(kind, why) for `cluster=auto`: local inside a one-node Slurm job (its ranks run on the
+    job's node, in its allocation, instead of in a second job queued from inside the first), else
+    slurm when a controller answers, else local. Explicit kinds pass through."""
     if cluster.kind != "auto":
-        return cluster.kind
-    return "slurm" if slurm_answers() else "local"
+        return cluster.kind, "set"
+    inside = allocation_here()
+    if inside is not None and inside[1] == 1:
+        return "local", f"inside Slurm job {inside[0]}, on its node: the ranks run here, in its allocation"
+    if slurm_answers():
+        why = "a Slurm controller answers"
+        if inside is not None:
+            why += (f"; inside job {inside[0]} of {inside[1]} nodes the ranks still go to a new job: steps of an "
+                    "allocation of several nodes are not supported yet")
+        return "slurm", why
+    return "local", "no Slurm controller answers"
 
 
 def tasks_per_node(cfg: RFTConfig) -> int:

@@ -46,6 +46,8 @@ def _task_python(cfg: RFTConfig) -> str | None:
 
     if cfg.cluster.rank_server_idle_min <= 0 or cfg.cluster.gpus_per_node or not rank_server.usable():
         return None
+    if os.environ.get("SLURM_JOB_ID"):  # a server would outlive this run inside the job's allocation
+        return None
     from rft.launch.console import console
 
     path = rank_server.socket_path()

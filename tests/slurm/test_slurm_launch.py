@@ -78,3 +78,27 @@ def test_auto_picks_slurm_when_a_controller_answers(slurm, tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert "cluster=auto -> slurm" in result.stdout
     subprocess.run(["scancel", result.stdout.split("submitted job ")[1].split()[0]])
+
+
+def test_the_launcher_inside_a_batch_job_runs_the_ranks_in_that_job(slurm, tmp_path):
+    """`python -m rft.launch` as a batch script's command: cluster=auto sees it runs on the node of a
+    one-node job and runs the ranks there, in that allocation, instead of queueing a second job."""
+    import subprocess
+    import time
+
+    from helpers import REPO
+
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    command = (f"{sys.executable} -m rft.launch +experiment=quickstart run.output_dir={run_dir} monitor.progress=false "
+               "monitor.plots=false stages.0.trainer.max_steps=2 stages.1.trainer.max_steps=1 data.eval_limit=8")
+    job = subprocess.run(["sbatch", "--parsable", "-N1", "-c", "2", "-o", str(log), f"--chdir={REPO}", "--wrap", command],
+                         capture_output=True, text=True, check=True).stdout.strip().split(";")[0]
+    deadline = time.monotonic() + 600  # only bounds a hang
+    while subprocess.run(["squeue", "-h", "-j", job], capture_output=True, text=True).stdout.strip():
+        assert time.monotonic() < deadline, log.read_text() if log.exists() else "no output"
+        time.sleep(1)
+    said = log.read_text()
+    assert f"cluster=auto -> local (inside Slurm job {job}, on its node: the ranks run here, in its allocation)" in said
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3, said[-3000:]  # the whole run, in this job
+    assert "follow it with `squeue" not in said  # no second job was queued

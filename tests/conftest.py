@@ -99,7 +99,10 @@ def exported_grpo_model(quickstart_run) -> str:
 # by side: 107 min, as long as one after another, with timing bounds missed under the doubled load.
 _FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
 _ONE_UNIT = "tests/slurm/"
-_BESIDE_SLURM = ("tests/unit/", "tests/dist/")
+# and, after those, three e2e files without timing bounds, which fill that worker's idle end (it
+# finished 275 s before tests/slurm did, measured): the doctor, the GPU-list launch, the SmolLM2 conversion
+_BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
+                 "tests/e2e/test_smollm2_prepare.py")
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -129,7 +132,8 @@ def pytest_xdist_make_scheduler(config, log):
                 return super().schedule()  # nothing to put side by side
             self.collection = collection
             launches, quiet = sorted(self.nodes, key=lambda node: node.gateway.id)
-            for scope, unit in units.items():
+            # the e2e files of _BESIDE_SLURM last on their worker: they fill its end
+            for scope, unit in sorted(units.items(), key=lambda item: item[0] in beside and item[0].startswith("tests/e2e/")):
                 node = quiet if scope in beside else launches
                 self.assigned_work[node][scope] = unit
                 node.send_runtest_some([self.registered_collections[node].index(nodeid) for nodeid in unit])

@@ -123,7 +123,7 @@ def test_readme_is_a_landing_page_with_the_two_commands_first():
     headings = re.findall(r"^## (.+)$", text, re.M)
     assert headings[:2] == ["Quick start", "Tests"]
     assert "python -m rft.launch +experiment=quickstart" in text.split("## Tests")[0]
-    assert 'python -m pytest -m "not heavy" tests' in text.split("## Tests")[1].split("##")[0]
+    assert 'python -m pytest -n 2 -m "not heavy" tests' in text.split("## Tests")[1].split("##")[0]
 
 
 def test_nothing_cites_a_document_outside_the_repository():

@@ -15,7 +15,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling for training rollouts
     eval_temperature: float = 0.0  # 0: greedy eval
     stop: list[str] = field(default_factory=list)  # extra stop strings
-    kv_cache_gb: float = 1.0  # KV cache memory for vLLM (CPU: GiB of RAM)
+    kv_cache_gb: float = 1.0  # KV cache memory for vLLM, GiB of RAM (CPU only: on GPUs rollout.gpu_memory_utilization sizes it, and the plan says so)
     gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only; colocated: leave the trainer room)
     partial_rollout: bool = False  # a weight update cuts requests in flight, which go on with the new weights (each token keeps its version); false: it waits for them
     sleep_level: int = 1  # cluster.colocate: vLLM's sleep while the trainer trains (1: weights to host memory, KV cache dropped; 2: both dropped)

@@ -46,7 +46,7 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         table.add_row("trainer ranks", f"{list(range(t))}  (Megatron TP={tp} PP={pp} DP={t // (tp * pp)})")
     if cfg.mode != "train":
         table.add_row("rollout ranks", f"{list(range(t, t + r))}  (vLLM TP={cfg.rollout.tensor_parallel_size}, "
-                                       f"model {cfg.model.name})")
+                                       f"model {cfg.model.name}, {kv_cache_note(cfg)})")
     if cfg.sync.decoupled:
         table.add_row("decoupled", decoupled_line(cfg))
     if cfg.mode in ("both", "explore") and r:
@@ -86,6 +86,15 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+def kv_cache_note(cfg: RFTConfig) -> str:
+    """What sizes each engine's KV cache: rollout.kv_cache_gb on CPU, rollout.gpu_memory_utilization
+    on GPUs, where kv_cache_gb is not used (vLLM's share of each GPU holds the weights and the cache)."""
+    if cfg.cluster.gpus_per_node:
+        return (f"KV cache in rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} of each GPU; "
+                "rollout.kv_cache_gb applies on CPU only")
+    return f"KV cache {cfg.rollout.kv_cache_gb:g} GiB of RAM (rollout.kv_cache_gb)"
 
 
 def wire_note(cfg: RFTConfig) -> str:

@@ -91,7 +91,7 @@ def exported_grpo_model(quickstart_run) -> str:
 # The order the suite runs in, and what runs side by side under pytest-xdist (README: `-n 2`; pyproject's
 # addopts give `--dist loadfile`). Two workers on 2 cores pay only where a core idles. tests/slurm
 # mostly waits (on Slurm, on the timeouts its faults must outlast, on nodes coming back): run alone it
-# kept 1.2 cores busy, tests/unit 0.9, where a local launch's ranks keep about 1.6 busy (CPU seconds
+# kept 1.2 cores busy, tests/unit 0.9, tests/dist 1.5, where a local launch's ranks keep about 1.6 busy (CPU seconds
 # over wall seconds, each folder run alone, 2-core AMD EPYC, 2026-11-29). So the first worker runs
 # tests/slurm (one unit of work: one Slurm on fixed ports, started and stopped by a session fixture),
 # then the launches of tests/e2e one after another; the second runs the files of _BESIDE_SLURM in the
@@ -99,8 +99,9 @@ def exported_grpo_model(quickstart_run) -> str:
 # by side: 107 min, as long as one after another, with timing bounds missed under the doubled load.
 _FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
 _ONE_UNIT = "tests/slurm/"
-# and, after those, three e2e files without timing bounds, which fill that worker's idle end (it
-# finished 275 s before tests/slurm did, measured): the doctor, the GPU-list launch, the SmolLM2 conversion
+# The second worker's files: tests/unit and tests/dist, then three e2e files without timing bounds, which
+# fill that worker's idle end (it finished 275 s before tests/slurm did, measured): the doctor, the
+# GPU-list launch, the SmolLM2 conversion
 _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
                  "tests/e2e/test_smollm2_prepare.py")
 

@@ -6,8 +6,8 @@ What cannot be taken literally is stood in for: `...` (the rest of a command, wh
 what it adds to) becomes `+experiment=quickstart` where no experiment is named; a model directory
 gets a stand-in holding the real model's config.json (the checks read only that); data files and
 output directories are made under tmp_path; a sweep (`-m a=1,2`) is checked at its first value.
-Commands with a `<placeholder>`, or run with `PYTHONPATH=.` for the reader's own module, are left out. Slurm commands are checked as configs (the cluster
-itself is tests/slurm's)."""
+Commands with a `<placeholder>`, or run with `PYTHONPATH=.` for the reader's own module, are left
+out. Slurm commands are checked as configs (the cluster itself is tests/slurm's)."""
 
 from __future__ import annotations
 

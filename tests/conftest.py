@@ -102,6 +102,7 @@ _ONE_UNIT = "tests/slurm/"
 # The second worker's files: tests/unit and tests/dist, then three e2e files without timing bounds, which
 # fill that worker's idle end (it finished 275 s before tests/slurm did, measured): the doctor, the
 # GPU-list launch, the SmolLM2 conversion
+_BESIDE_ORDER = ("tests/unit/", "tests/dist/", "tests/e2e/")
 _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
                  "tests/e2e/test_smollm2_prepare.py")
 
@@ -133,8 +134,12 @@ def pytest_xdist_make_scheduler(config, log):
                 return super().schedule()  # nothing to put side by side
             self.collection = collection
             launches, quiet = sorted(self.nodes, key=lambda node: node.gateway.id)
-            # the e2e files of _BESIDE_SLURM last on their worker: they fill its end
-            for scope, unit in sorted(units.items(), key=lambda item: item[0] in beside and item[0].startswith("tests/e2e/")):
+            # on the second worker tests/unit first: it keeps one core busy while tests/slurm's first test
+            # makes the shared quickstart run (about 1.6 cores); then tests/dist, then the e2e files
+            def second_order(scope: str) -> int:
+                return next((i for i, folder in enumerate(_BESIDE_ORDER) if scope.startswith(folder)), 0)
+
+            for scope, unit in sorted(units.items(), key=lambda item: second_order(item[0]) if item[0] in beside else 0):
                 node = quiet if scope in beside else launches
                 self.assigned_work[node][scope] = unit
                 node.send_runtest_some([self.registered_collections[node].index(nodeid) for nodeid in unit])

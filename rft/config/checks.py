@@ -204,6 +204,9 @@ def validate(cfg: RFTConfig) -> None:
             config_error(f"{prefix}data.overlong", data.overlong, f"choose one of {OVERLONG_POLICIES}")
         if rollout.tensor_parallel_size < 1:
             config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size, "use 1 or more")
+        if rollout.kv_cache_gb is not None and not rollout.kv_cache_gb > 0:
+            config_error(f"{prefix}rollout.kv_cache_gb", rollout.kv_cache_gb,
+                         "use a positive number of GiB, or null (CPU: 1 GiB; GPUs: rollout.gpu_memory_utilization)")
         if rollout.tensor_parallel_size != cfg.rollout.tensor_parallel_size:
             config_error(f"{prefix}rollout.tensor_parallel_size", rollout.tensor_parallel_size,
                   "the vLLM engine lives for the whole run; set rollout.tensor_parallel_size globally")

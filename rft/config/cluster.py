@@ -41,7 +41,7 @@ class ClusterConfig:
     gpus_per_node: Optional[int] = None  # GPUs per node, one task each; 0: CPU nodes; None: one per rank if sinfo lists GPUs (local: if this node shows GPUs)
     gpu_memory_gb: Optional[float] = None  # memory of each GPU, for the colocated-memory check before submit; None: nvidia-smi's on a local GPU run, else not checked
     devices: Optional[list[str]] = None  # local runs on a GPU node: the GPUs the ranks take, in rank order (CUDA_VISIBLE_DEVICES entries); None: those the launcher sees
-    cpus_per_task: int = 1  # CPU cores per task
+    cpus_per_task: Optional[int] = None  # CPU cores per task; None: on GPU nodes the node's CPUs over its tasks (sinfo), 1 on CPU nodes and locally
     mem_gb: Optional[int] = None  # memory per node (None: the partition's default)
     setup: list[str] = field(default_factory=list)  # shell lines run before the ranks start (module load ...)
     sbatch_extra: dict[str, Any] = field(default_factory=dict)  # any other sbatch option, e.g. {reservation: x}

@@ -25,6 +25,8 @@ def check_judge(cfg: RFTConfig) -> None:
                      "sequence-classification model in judge.model)")
     if not cfg.judge.timeout_s > 0:
         config_error("judge.timeout_s", cfg.judge.timeout_s, "use a positive number of seconds")
+    if cfg.judge.kv_cache_gb is not None and not cfg.judge.kv_cache_gb > 0:
+        config_error("judge.kv_cache_gb", cfg.judge.kv_cache_gb, "use a positive number of GiB, or null")
     if cfg.judge.max_new_tokens < 1:
         config_error("judge.max_new_tokens", cfg.judge.max_new_tokens, "use 1 or more")
     for name, stage in stage_configs(cfg):

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+CPU_KV_CACHE_GB = 1.0  # an engine's KV cache on CPU when rollout.kv_cache_gb is unset
+
 
 @dataclass
 class RolloutConfig:
@@ -15,7 +17,7 @@ class RolloutConfig:
     top_p: float = 1.0  # nucleus sampling for training rollouts
     eval_temperature: float = 0.0  # 0: greedy eval
     stop: list[str] = field(default_factory=list)  # extra stop strings
-    kv_cache_gb: float = 1.0  # KV cache memory for vLLM, GiB of RAM (CPU only: on GPUs rollout.gpu_memory_utilization sizes it, and the plan says so)
+    kv_cache_gb: Optional[float] = None  # KV cache of each engine, GiB (None: 1 GiB of RAM on CPU; on GPUs what rollout.gpu_memory_utilization leaves after the weights)
     gpu_memory_utilization: float = 0.85  # share of GPU memory vLLM may use (GPU only; colocated: leave the trainer room)
     partial_rollout: bool = False  # a weight update cuts requests in flight, which go on with the new weights (each token keeps its version); false: it waits for them
     sleep_level: int = 1  # cluster.colocate: vLLM's sleep while the trainer trains (1: weights to host memory, KV cache dropped; 2: both dropped)
@@ -45,7 +47,7 @@ class JudgeConfig:
     timeout_s: float = 30.0  # a judge call slower than this fails (the reward scores 0, judge/timeouts counts it)
     max_new_tokens: int = 64  # default length of a judge's answer
     temperature: float = 0.0  # default sampling temperature of the judge (0: greedy)
-    kv_cache_gb: float = 1.0  # KV cache memory of each judge engine (CPU: GiB of RAM)
+    kv_cache_gb: Optional[float] = None  # KV cache of each judge engine, GiB (None: 1 GiB of RAM on CPU; on GPUs what judge.gpu_memory_utilization leaves after the weights)
     gpu_memory_utilization: float = 0.85  # share of GPU memory a judge engine may use (GPU only)
     max_num_seqs: int = 256  # vLLM scheduler batch limit: concurrent judge calls are batched up to this
     rubric: Optional[str] = None  # relative_judge: the grading standards, as text or the path of a text file (None: the built-in rubric)

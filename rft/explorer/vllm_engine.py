@@ -17,9 +17,10 @@ import time
 import uuid
 from collections.abc import Awaitable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rft.config import ModelConfig, RolloutConfig
+from rft.config.rollout import CPU_KV_CACHE_GB
 
 if TYPE_CHECKING:
     import numpy as np
@@ -51,6 +52,19 @@ def _engine_core_forked(config) -> Iterator[None]:
             os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD")
         elif forked:
             os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = previous
+
+
+def memory_kwargs(rollout: RolloutConfig, on_gpu: bool) -> dict[str, Any]:
+    """vLLM's memory arguments. On GPUs the engine takes rollout.gpu_memory_utilization of the GPU
+    and the KV cache whatever the weights leave of it; rollout.kv_cache_gb, when set, sizes the cache
+    instead (vLLM's kv_cache_memory_bytes "ignores gpu_memory_utilization", vllm/config/cache.py).
+    On CPU, gpu_memory_utilization would be a share of the NUMA node's RAM (its default 0.92 fails to
+    allocate), so the cache is always sized: kv_cache_gb, else CPU_KV_CACHE_GB."""
+    if on_gpu:
+        sized = {} if rollout.kv_cache_gb is None else {"kv_cache_memory_bytes": int(rollout.kv_cache_gb * 2**30)}
+        return {"gpu_memory_utilization": rollout.gpu_memory_utilization, **sized}
+    gib = CPU_KV_CACHE_GB if rollout.kv_cache_gb is None else rollout.kv_cache_gb
+    return {"kv_cache_memory_bytes": int(gib * 2**30)}
 
 
 class RolloutEngine:
@@ -105,17 +119,13 @@ class RolloutEngine:
                                  f"rollout rank ({name}) has none; use trainer.routing_replay=none on CPU")
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
+        kwargs.update(memory_kwargs(rollout, on_gpu=torch.cuda.is_available()))
         if torch.cuda.is_available():
-            kwargs["gpu_memory_utilization"] = rollout.gpu_memory_utilization
             # sleep() frees GPU memory only from vLLM's own allocator pool (cluster.colocate); on CPU
             # vLLM refuses the flag, and its sleep and wake_up run without it (freeing nothing)
             kwargs["enable_sleep_mode"] = sleep_mode
         else:
-            # On CPU "gpu_memory_utilization" is a share of the NUMA node's RAM; size the KV cache
-            # directly instead (the default 0.92 of a node's RAM fails to allocate) and skip compilation,
-            # which only costs start-up.
-            kwargs["kv_cache_memory_bytes"] = int(rollout.kv_cache_gb * 2**30)
-            kwargs["enforce_eager"] = True
+            kwargs["enforce_eager"] = True  # compilation only costs start-up on CPU
             # vLLM CPU (0.32) kills its engine when a seeded request's prefill is split across
             # steps ("CPU Generator does not use offset"): every rft request is seeded, and many
             # multi-turn prompts at once get split. Whole prefills only; GPUs keep chunking.

@@ -78,14 +78,14 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         sweep_dir = HydraConfig.get().sweep.dir if multirun else None
         parent, leaf = os.path.split(os.path.normpath(os.path.abspath(sweep_dir or cfg.run.output_dir)))
         cfg.monitor.group = f"{os.path.basename(parent)}/{leaf}"  # e.g. quickstart/2026-11-28_10-00-00
-    from rft.launch.slurm import check_against_cluster, check_request, resolve_gpus, resolve_kind
+    from rft.launch.slurm import check_against_cluster, check_request, resolve_cpus, resolve_gpus, resolve_kind
 
     if cfg.cluster.kind == "auto":
         cfg.cluster.kind, why = resolve_kind(cfg.cluster)
         print(f"rft: cluster=auto -> {cfg.cluster.kind} ({why})")
-    note = resolve_gpus(cfg)
-    if note:
-        print(f"rft: {note}")
+    for note in (resolve_gpus(cfg), resolve_cpus(cfg) if cfg.cluster.kind == "slurm" else None):
+        if note:
+            print(f"rft: {note}")
     validate(cfg)  # generated inputs (tiny model, synthetic data) are exempt from path checks
     if cfg.cluster.kind == "slurm":
         check_request(cfg)

@@ -89,12 +89,15 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
 
 
 def kv_cache_note(cfg: RFTConfig) -> str:
-    """What sizes each engine's KV cache: rollout.kv_cache_gb on CPU, rollout.gpu_memory_utilization
-    on GPUs, where kv_cache_gb is not used (vLLM's share of each GPU holds the weights and the cache)."""
+    """What sizes each engine's KV cache (rft/explorer/vllm_engine.py's memory_kwargs)."""
+    from rft.config.rollout import CPU_KV_CACHE_GB
+
+    gib = cfg.rollout.kv_cache_gb
     if cfg.cluster.gpus_per_node:
-        return (f"KV cache in rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} of each GPU; "
-                "rollout.kv_cache_gb applies on CPU only")
-    return f"KV cache {cfg.rollout.kv_cache_gb:g} GiB of RAM (rollout.kv_cache_gb)"
+        share = f"rollout.gpu_memory_utilization={cfg.rollout.gpu_memory_utilization:g} of each GPU"
+        return (f"KV cache {gib:g} GiB per GPU (rollout.kv_cache_gb), in {share}" if gib is not None else
+                f"KV cache: what the weights leave of {share}")
+    return f"KV cache {CPU_KV_CACHE_GB if gib is None else gib:g} GiB of RAM (rollout.kv_cache_gb)"
 
 
 def wire_note(cfg: RFTConfig) -> str:

@@ -128,32 +128,37 @@ def check_against_cluster(cfg: RFTConfig) -> None:
     partitions = _run(["sinfo", "-h", "-o", "%P"])
     if partitions is None:
         config_error("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
-    found = partition_gpus(c.partition)  # refuses a partition sinfo does not list, naming the key
-    if c.gpus_per_node:
-        name, most = found if found else (c.partition or "(default)", 0)
-        if c.gpus_per_node > most:
-            config_error("cluster.gpus_per_node", c.gpus_per_node,
-                         f"the nodes of partition {name} have at most {most} GPUs")
+    found = partition_nodes(c.partition)  # refuses a partition sinfo does not list, naming the key
+    name, most, cpus = found if found else (c.partition or "(default)", 0, 0)
+    if c.gpus_per_node and c.gpus_per_node > most:
+        config_error("cluster.gpus_per_node", c.gpus_per_node, f"the nodes of partition {name} have at most {most} GPUs")
+    if cpus and c.cpus_per_task and c.cpus_per_task * tasks_per_node(cfg) > cpus:
+        config_error("cluster.cpus_per_task", c.cpus_per_task,
+                     f"{tasks_per_node(cfg)} tasks per node x {c.cpus_per_task} CPUs is more than the {cpus} CPUs of "
+                     f"the nodes of partition {name}; lower it, or leave it unset (the node's CPUs over its tasks)")
 
 
-def partition_gpus(partition: str | None) -> tuple[str, int] | None:
-    """(partition name, most GPUs a node of it has) from `sinfo`; the default partition when
-    `partition` is None. None when sinfo does not answer or there is no default partition; a
-    partition sinfo does not list is a config error naming cluster.partition."""
-    listing = _run(["sinfo", "-h", "-o", "%P|%G"])
+def partition_nodes(partition: str | None) -> tuple[str, int, int] | None:
+    """(partition name, most GPUs a node of it has, fewest CPUs a node of it has) from `sinfo`; the
+    default partition when `partition` is None. None when sinfo does not answer or there is no default
+    partition; a partition sinfo does not list is a config error naming cluster.partition."""
+    listing = _run(["sinfo", "-h", "-o", "%P|%G|%c"])
     if listing is None:
         return None
     gpus: dict[str, int] = {}
+    cpus: dict[str, int] = {}
     default = None
     for line in listing.splitlines():
-        name, _, gres = line.strip().partition("|")
+        name, gres, node_cpus = (line.strip().split("|") + ["", ""])[:3]
         if name.endswith("*"):
             name = default = name.rstrip("*")
         gpus[name] = max(gpus.get(name, 0), _gpus_in_gres(gres))
+        if node_cpus.isdigit():
+            cpus[name] = min(cpus.get(name, int(node_cpus)), int(node_cpus))
     if partition and partition not in gpus:
         config_error("cluster.partition", partition, f"not a partition here; sinfo lists {sorted(gpus)}")
     name = partition or default
-    return (name, gpus[name]) if name in gpus else None
+    return (name, gpus[name], cpus.get(name, 1)) if name in gpus else None
 
 
 def resolve_gpus(cfg: RFTConfig) -> str | None:
@@ -171,12 +176,12 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
         if c.gpus_per_node == 0 and cfg.model.needs_gpu:
             config_error("cluster.gpus_per_node", 0, f"{needs}: ask for GPUs, e.g. cluster.gpus_per_node=8")
         return None
-    found = partition_gpus(c.partition)
+    found = partition_nodes(c.partition)
     if found is None:
         config_error("cluster.gpus_per_node", None,
                      f"sinfo does not tell the GPUs of partition {c.partition or '(default)'}; set "
                      "cluster.gpus_per_node=N (0 for CPU nodes) and cluster.partition")
-    name, most = found
+    name, most, _ = found
     if most == 0:
         if cfg.model.needs_gpu:
             config_error("cluster.gpus_per_node", None,
@@ -196,6 +201,23 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
                      "cluster.gpus_per_node and the ranks yourself")
     c.gpus_per_node = per_node
     return f"cluster.gpus_per_node=auto -> {per_node} ({gpu_each}; partition {name}'s nodes have {most})"
+
+
+def resolve_cpus(cfg: RFTConfig) -> str | None:
+    """Settle `cluster.cpus_per_task` when unset: on GPU nodes the node's CPUs over its tasks, so a
+    vLLM engine, its tokenizer and reward processes are not confined to one core; on CPU nodes 1, so
+    several small jobs share a node (test clusters). Returns a line saying what auto chose, or None."""
+    c = cfg.cluster
+    if c.cpus_per_task is not None:
+        return None
+    found = partition_nodes(c.partition) if c.gpus_per_node else None
+    if not found or found[2] < 1:
+        c.cpus_per_task = 1
+        return None
+    name, _, cpus = found
+    c.cpus_per_task = max(1, cpus // tasks_per_node(cfg))
+    return (f"cluster.cpus_per_task=auto -> {c.cpus_per_task} (partition {name}'s nodes have {cpus} CPUs, "
+            f"{tasks_per_node(cfg)} tasks per node)")
 
 
 def _gpus_in_gres(gres: str) -> int:
@@ -229,7 +251,7 @@ def make_executor(cfg: RFTConfig, folder: str):
     executor = submitit.SlurmExecutor(folder=folder, python=f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}")
     params: dict[str, Any] = dict(
         job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(cfg),
-        cpus_per_task=c.cpus_per_task, setup=_setup_lines(c), signal_delay_s=c.signal_delay_s)
+        cpus_per_task=c.cpus_per_task or 1, setup=_setup_lines(c), signal_delay_s=c.signal_delay_s)
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     for key in ("partition", "account", "qos", "constraint"):

@@ -27,8 +27,8 @@ def test_each_rank_takes_its_own_gpu_of_those_the_launcher_sees(tmp_path):
     said = _flat(result.stdout)
     assert "cluster.gpus_per_node=auto -> 2: GPUs GPU-1a2b,GPU-3c4d of the 3 this node shows, one per rank" in said
     assert "GPUs rank 0 (trainer): GPU GPU-1a2b rank 1 (rollout): GPU GPU-3c4d" in said, said[:3000]
-    # on GPUs vLLM's share of each GPU sizes its KV cache, and the plan says kv_cache_gb is not used
-    assert "KV cache in rollout.gpu_memory_utilization=0.85 of each GPU; rollout.kv_cache_gb applies on CPU only" in said
+    # the quickstart sizes its cache (rollout.kv_cache_gb=0.25): on GPUs too, within vLLM's share of each GPU
+    assert "KV cache 0.25 GiB per GPU (rollout.kv_cache_gb), in rollout.gpu_memory_utilization=0.85 of each GPU" in said
     job_id = result.stdout.split("submitted job ")[1].split()[0]
     for rank, gpu in ((0, "GPU-1a2b"), (1, "GPU-3c4d")):
         log = (run_dir / "logs" / f"{job_id}_{rank}_log.out").read_text()

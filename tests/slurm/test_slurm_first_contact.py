@@ -1,6 +1,7 @@
-"""What a new user meets on a real Slurm: `cluster=auto` takes the GPUs per node from sinfo and
-never submits a GPU model without GPUs, a cluster without accounting does not flood the terminal,
-and a run directory owned by a live Slurm job is not launched into again."""
+"""What a new user meets on a real Slurm: `cluster=auto` takes the GPUs (and, on GPU nodes, the
+CPUs) per node from sinfo and never submits a GPU model without GPUs, a cluster without accounting
+does not flood the terminal, and a run directory owned by a live Slurm job is not launched into
+again."""
 
 import os
 import subprocess
@@ -33,6 +34,9 @@ def test_gpus_per_node_from_sinfo_and_accounting_warnings_not_repeated(gpu_slurm
     job_id = result.stdout.split("submitted job ")[1].split()[0]
     script = (run_dir / "logs" / f"{job_id}_submission.sh").read_text()
     assert "--gpus-per-node=2" in script and "--ntasks-per-node=2" in script
+    # the node advertises 4 CPUs (tools/slurm_local.sh's floor): 2 per task, not 1 for a vLLM engine and its rewards
+    assert "cluster.cpus_per_task=auto -> 2 (partition debug's nodes have 4 CPUs, 2 tasks per node)" in result.stdout
+    assert "--cpus-per-task=2" in script
     assert output.count("accounting storage is disabled") <= 1
     assert "rft run summary" in result.stdout
 
@@ -43,6 +47,15 @@ def test_more_ranks_than_the_nodes_have_gpus_names_the_fix(gpu_slurm_env, tmp_pa
     assert result.returncode == 2
     assert "the 3 ranks on cluster.nodes=1 need 3 GPUs per node (one per rank) but the nodes of partition debug " \
            "have 2; raise cluster.nodes" in result.stderr
+
+
+def test_more_cpus_than_a_node_has_names_the_key(slurm, tmp_path):
+    # CPU nodes keep 1 CPU per task unless asked (small jobs share a node); asked for too many, the launch
+    # stops before submit: 2 tasks x 3 CPUs on a node of 4
+    result = launch(*SHORT, "cluster=slurm", "cluster.cpus_per_task=3", f"run.output_dir={tmp_path}/run", timeout=120)
+    assert result.returncode == 2
+    assert "cluster.cpus_per_task=3 is invalid: 2 tasks per node x 3 CPUs is more than the 4 CPUs of the nodes of " \
+           "partition debug" in result.stderr
 
 
 def test_a_directory_owned_by_a_live_job_is_refused_then_taken_over(slurm, tmp_path):

@@ -2,14 +2,19 @@
 
 A registry maps a name ("grpo", "single_turn", "grid_world", ...) to a callable with the kind's
 documented signature. Configs select a built-in by name, or point at a user's own code with a
-dotted path ("my_pkg.losses.my_loss"), which `resolve` imports and checks against the same
-signature, so a mismatch fails at launch with a message naming the path, the wrong parameters and
-the expected signature instead of a TypeError deep inside a step (as slime's plugin contracts and
-verl's `register_policy_loss` / `register_adv_est` do).
+dotted path ("my_pkg.losses.my_loss", imported from sys.path) or a file path
+("path/to/losses.py:my_loss", imported from that file: no PYTHONPATH needed), which `resolve`
+imports and checks against the same signature, so a mismatch fails at launch with a message naming
+the path, the wrong parameters and the expected signature instead of a TypeError deep inside a step
+(as slime's plugin contracts and verl's `register_policy_loss` / `register_adv_est` do). An import
+that fails (no such file or function, the file raises) is a ValueError naming the path and the
+fix, not a traceback.
 
 A kind may accept more than one form (`variants`: a reward takes one trajectory or a batch of
-them), require `async def` (`asynchronous`), or be a class (`is_class`: environments; the check is
-then on the named methods). Entries carry metadata (`register(name, needs_env=True)`; a user's
+them), turn a form of another framework into its own (`adapters`: a reward given as verl's
+`compute_score` is wrapped by rft's adapter when resolved, so callers see one form), require
+`async def` (`asynchronous`), or be a class (`is_class`: environments; the check is then on the
+named methods). Entries carry metadata (`register(name, needs_env=True)`; a user's
 function may set the attribute `rft_meta = {...}`) so the code that uses them asks
 `registry.meta(fn)` instead of comparing names.
 
@@ -22,13 +27,21 @@ The registries live next to their built-ins: `rft.algorithms.advantages.ADVANTAG
 
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.util
 import inspect
+import os
+import re
+import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
 _POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 _VARIADIC = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+# "path/to/file.py:name": the file's path (no spaces, no colon), then a Python name
+_FILE_SPEC = re.compile(r"^(?P<path>[^:\s]+\.py):(?P<attr>[A-Za-z_][A-Za-z0-9_]*)$")
 
 
 class Registry:
@@ -41,6 +54,7 @@ class Registry:
 
     def __init__(self, kind: str, params: Sequence[str], keyword_only: Sequence[str] = (),
                  returns: str = "", variants: dict[str, Sequence[str]] | None = None,
+                 adapters: dict[str, Callable[[Callable[..., Any]], Callable[..., Any]]] | None = None,
                  asynchronous: bool = False, is_class: bool = False) -> None:
         self.kind = kind
         self.params = tuple(params)
@@ -48,6 +62,9 @@ class Registry:
         self.returns = returns
         # other accepted positional forms, by name (e.g. "batch": ("trajectories", "tasks"))
         self.variants = {k: tuple(v) for k, v in (variants or {}).items()}
+        # variant name -> fn of that form -> fn of the default form (another framework's form)
+        self.adapters = dict(adapters or {})
+        assert set(self.adapters) <= set(self.variants), "an adapter is for a declared variant"
         self.asynchronous = asynchronous  # entries must be `async def` (they await a model)
         self.is_class = is_class  # entries are classes with methods `params` (environments)
         self._entries: dict[str, Callable[..., Any]] = {}
@@ -108,21 +125,31 @@ class Registry:
         try:
             return self._entries[name]
         except KeyError:
+            what = "class" if self.is_class else "function"
             raise ValueError(
                 f"unknown {self.kind} '{name}'; known: {', '.join(self.names())}. "
-                f"Or give a dotted path 'package.module.function' to your own function with "
-                f"signature {self.signature}") from None
+                f"Or give your own {what}, as a file 'path/to/file.py:name' or a dotted path "
+                f"'package.module.name' (on PYTHONPATH), with signature {self.signature}") from None
 
     def resolve(self, spec: str | Callable[..., Any]) -> Callable[..., Any]:
-        """A registered name, a dotted path "package.module.function", or a callable -> checked fn."""
+        """A registered name, a file path "path/to/file.py:function", a dotted path
+        "package.module.function", or a callable -> checked fn, in the default form or one of
+        `variants` (a form with an entry in `adapters` comes back adapted to the default form)."""
+        what = "class" if self.is_class else "function"
         if callable(spec):
-            self.check_signature(spec, f"{self.kind} {getattr(spec, '__qualname__', spec)!r}")
-            return spec
-        if spec in self._entries or "." not in spec:
+            fn, where = spec, f"{self.kind} {getattr(spec, '__qualname__', spec)!r}"
+        elif file_spec(spec) is not None:
+            fn, where = _import_file(spec, self.kind, what), f"{self.kind} '{spec}'"
+        elif spec.endswith(".py") or ".py:" in spec:
+            raise ValueError(f"{self.kind} '{spec}': a file is given as 'path/to/file.py:name', the path "
+                             f"without spaces or ':', then the {what}'s name after one ':', e.g. {_example(what)}")
+        elif spec in self._entries or "." not in spec:
             return self.get(spec)
-        fn = _import_dotted(spec, self.kind, "class" if self.is_class else "function")
-        self.check_signature(fn, f"{self.kind} '{spec}'")
-        return fn
+        else:
+            fn, where = _import_dotted(spec, self.kind, what), f"{self.kind} '{spec}'"
+        self.check_signature(fn, where)
+        adapter = self.adapters.get(self.variant(fn)) if not self.is_class else None
+        return adapter(fn) if adapter else fn
 
     def check_signature(self, fn: Callable[..., Any], where: str) -> None:
         """ValueError unless `fn` takes this registry's parameters (names, order, kinds), or one
@@ -185,21 +212,99 @@ def _signature_problems(params: list[inspect.Parameter], positional_names: Seque
     return problems
 
 
+def file_spec(spec: object) -> tuple[str, str] | None:
+    """(path, name) of a file-path spec "path/to/file.py:name", else None."""
+    match = _FILE_SPEC.match(spec) if isinstance(spec, str) else None
+    return (match["path"], match["attr"]) if match else None
+
+
+def absolute_file_spec(spec: str, cwd: str | None = None) -> str:
+    """A file-path spec with its path made absolute (against `cwd`, default the working
+    directory); any other spec unchanged. The launcher calls this on the login node so that ranks
+    started in another directory (a Slurm job's) import the same file."""
+    parts = file_spec(spec)
+    if parts is None or os.path.isabs(parts[0]):
+        return spec
+    return f"{os.path.normpath(os.path.join(cwd or os.getcwd(), parts[0]))}:{parts[1]}"
+
+
+def file_module_name(path: str) -> str:
+    """The module name a plugin file is imported under: its stem and a digest of its absolute
+    path, the same in every process (not hash(): salted per process), so that the launcher, a
+    forked reward process and every rank name it alike and two `rewards.py` never collide."""
+    path = os.path.abspath(path)
+    stem = re.sub(r"\W", "_", os.path.splitext(os.path.basename(path))[0])
+    return f"rft_plugin_{stem}_{hashlib.sha1(path.encode()).hexdigest()[:10]}"
+
+
+def _import_file(spec: str, kind: str, what: str = "function") -> Callable[..., Any]:
+    """Import "path/to/file.py:name" from the file itself (once per process: sys.modules keeps it
+    under `file_module_name`); ValueError naming the path and the fix when the file is missing,
+    raises on import or lacks the name."""
+    relative, attr = file_spec(spec)
+    path = os.path.abspath(relative)
+    if not os.path.isfile(path):
+        raise ValueError(f"{kind} '{spec}': no such file {path}; give the path of a Python file, absolute or "
+                         f"relative to the directory you launch from, then ':' and the {what}'s name, "
+                         f"e.g. {_example(what)}")
+    name = file_module_name(path)
+    module = sys.modules.get(name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module  # before running it: dataclasses and pickle look the module up there
+        try:
+            module_spec.loader.exec_module(module)
+        except BaseException as err:
+            del sys.modules[name]
+            if not isinstance(err, Exception):
+                raise  # KeyboardInterrupt, SystemExit: not the file's mistake to report
+            raise ValueError(f"{kind} '{spec}': importing {path} raised {_raised_in(err, path)}; fix the "
+                             f"file (run `python {path}` to see the whole traceback)") from None
+    return _attribute(module, attr, spec, kind, what, f"file {path}")
+
+
 def _import_dotted(path: str, kind: str, what: str = "function") -> Callable[..., Any]:
-    """Import "package.module.function"; ValueError naming the path when any part is missing."""
+    """Import "package.module.function"; ValueError naming the path when any part is missing or
+    the module raises on import."""
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
         raise ValueError(f"{kind} '{path}': cannot import module '{module_name}' ({err}); "
-                         f"check the dotted path and that the package is on PYTHONPATH") from None
+                         f"check the dotted path and that the package is on PYTHONPATH, or give the "
+                         f"file instead: 'path/to/{module_name.rpartition('.')[2]}.py:{attr}'") from None
+    except Exception as err:  # the module's own code failed: its message, not a traceback
+        raise ValueError(f"{kind} '{path}': importing module '{module_name}' raised "
+                         f"{_raised_in(err, None)}; fix the module") from None
+    return _attribute(module, attr, path, kind, what, f"module '{module_name}'")
+
+
+def _example(what: str) -> str:
+    return f"my_plugins.py:{'MyClass' if what == 'class' else 'my_fn'}"
+
+
+def _attribute(module: Any, attr: str, spec: str, kind: str, what: str, where: str) -> Callable[..., Any]:
     fn = getattr(module, attr, None)
     if fn is None:
-        raise ValueError(f"{kind} '{path}': module '{module_name}' has no attribute '{attr}'")
+        defined = sorted(n for n, v in vars(module).items()
+                         if callable(v) and not n.startswith("_") and getattr(v, "__module__", None) == module.__name__)
+        raise ValueError(f"{kind} '{spec}': {where} has no attribute '{attr}'"
+                         + (f"; it defines {', '.join(defined)}" if defined else ""))
     if not callable(fn):
         # a config mistake like every other resolve failure: one exception type for callers
-        raise ValueError(f"{kind} '{path}' is a {type(fn).__name__}, not a {what}")  # noqa: TRY004
+        raise ValueError(f"{kind} '{spec}' is a {type(fn).__name__}, not a {what}")  # noqa: TRY004
     return fn
+
+
+def _raised_in(err: Exception, path: str | None) -> str:
+    """`NameError: name 'x' is not defined (line 3)`: the error and the line of the plugin's file
+    (or, for a module, the innermost frame) where it was raised."""
+    if isinstance(err, SyntaxError):
+        return f"SyntaxError: {err.msg} (line {err.lineno})"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if path is None or f.filename == path]
+    where = f" ({os.path.basename(frames[-1].filename)} line {frames[-1].lineno})" if frames else ""
+    return f"{type(err).__name__}: {err}{where}"
 
 
 def _format_params(sig: inspect.Signature) -> str:

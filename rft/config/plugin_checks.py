@@ -2,6 +2,8 @@
 (advantage, policy loss, reward, workflow, environment, selector, task and experience operators,
 replay priority) resolves to a built-in or to a dotted path whose signature fits, and its options
 are ones it takes. Run on the login node by `validate()` (checks.py), so a typo fails there.
+Before that, `absolute_plugin_files` makes every file-path plugin ("rewards.py:fn") absolute, so the
+ranks, which may start in another directory, import the file the launcher checked.
 
 The registries live with their built-ins in the layers above this package (algorithms, explorer,
 data, buffer), so each check imports its registry where it runs: config's schema modules stay
@@ -10,7 +12,9 @@ importable by every layer.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from collections.abc import Mapping, MutableMapping, MutableSequence
 from typing import Any
 
 from rft.config.algorithm import LR_DECAYS, AlgorithmConfig
@@ -25,6 +29,25 @@ from rft.config.data import (
 from rft.config.derived import needs_rollouts
 from rft.config.errors import config_error
 from rft.config.run import RFTConfig
+from rft.registry import absolute_file_spec
+
+
+def absolute_plugin_files(node: Any, cwd: str | None = None) -> None:
+    """Every value of the config (stages' overrides and operator lists included) that is a
+    file-path plugin "rel/path.py:name" becomes "/abs/path.py:name", in place, against `cwd`
+    (default: the launcher's working directory): a relative path means the directory the user
+    launched from, and a Slurm job's ranks start elsewhere. Any key, as every registry takes files."""
+    if dataclasses.is_dataclass(node):
+        items, put = [(f.name, getattr(node, f.name)) for f in dataclasses.fields(node)], lambda k, v: setattr(node, k, v)
+    elif isinstance(node, (MutableMapping, MutableSequence)):  # also DictConfig, ListConfig
+        items, put = list(node.items() if isinstance(node, Mapping) else enumerate(node)), node.__setitem__
+    else:
+        return
+    for key, value in items:
+        if not isinstance(value, str):
+            absolute_plugin_files(value, cwd)
+        elif absolute_file_spec(value, cwd) != value:  # only these: other strings stay as composed
+            put(key, absolute_file_spec(value, cwd))
 
 
 def check_algorithm(prefix: str, algo: AlgorithmConfig) -> None:

@@ -8,6 +8,12 @@ Registry REWARDS; a reward sees the whole trajectory (an experience record: its 
     fn(trajectories: list[Experience], tasks: list[Task]) -> list    batch form
     fn(group: list[Experience], task: Task) -> list                   group form: all samples of one task
     async def fn(trajectory, task) -> float                           async form (e.g. asking a judge engine)
+    fn(data_source, solution_str, ground_truth, extra_info)           verl's compute_score, adapted
+                                                                      (rft/explorer/reward_adapters.py)
+
+A reward (one value of a batch) is a number, or a dict with "score" and other values, as verl's
+compute_score may return: "score" is the reward, the other numeric values become the
+trajectory's metrics (logged as rollout/<key>, the means of a step).
 
 A group reward scores a task's samples relative to each other (relative_judge): the runner calls it
 once per task, after every sample of the task came back (a sample that failed every try is left
@@ -15,7 +21,8 @@ out; a trajectory of several experiences, step_wise, is one member: its last one
 steps share). Any form may be `async def`; the form is told by the parameter names.
 
 `algorithm.reward` takes a built-in name (`exact_match`, `math_verify`, `llm_judge`, `relative_judge`,
-`reward_model`) or a dotted path to your own function; its signature is checked at launch.
+`reward_model`) or your own function, as a file `path/to/rewards.py:fn` or a dotted path
+`my_pkg.rewards.fn` (rft/registry.py); its signature is checked at launch.
 Workflows whose environment gives the reward (grid_world) leave this unused.
 
 `RewardScorer` runs a reward with a time limit per sample (`rollout.reward_timeout_s`; a batch
@@ -46,6 +53,7 @@ import math
 import multiprocessing
 import numbers
 import os
+from collections.abc import Mapping
 import signal
 import threading
 import time
@@ -53,14 +61,17 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable
 
 
+from rft.explorer.math_answers import math_verify_answer
+from rft.explorer.reward_adapters import VERL_PARAMS, from_verl
 from rft.registry import Registry
 
 if TYPE_CHECKING:
     from rft.buffer.experience import Experience
     from rft.data.taskset import Task
 
-REWARDS = Registry("reward", params=("trajectory", "task"),
-                   variants={"batch": ("trajectories", "tasks"), "group": ("group", "task")}, returns="float")
+REWARDS = Registry("reward", params=("trajectory", "task"), returns="float",
+                   variants={"batch": ("trajectories", "tasks"), "group": ("group", "task"), "verl": VERL_PARAMS},
+                   adapters={"verl": from_verl})
 
 logger = logging.getLogger(__name__)
 
@@ -89,52 +100,11 @@ def _answer(task: Task, reward: str) -> str:
     return task.answer
 
 
-def gsm8k_gold(answer: str) -> str:
-    """The final answer of a GSM8K solution: the text after the last `####`, commas removed.
-
-    An answer without `####` is taken to be the final answer already (e.g. a bare "72").
-    """
-    return answer.rsplit("####", 1)[-1].strip().replace(",", "")
-
-
 @REWARDS.register("math_verify", needs_answer=True, preload=("math_verify",))
 def math_verify(trajectory: Experience, task: Task) -> float:
-    """math_verify_answer of the response against the task's answer (see below)."""
+    """1.0 if math-verify finds the response's final answer equal to the task's answer: GSM8K's
+    `#### 72`, a `\\boxed{}` solution or a plain answer (rft/explorer/math_answers.py)."""
     return math_verify_answer(trajectory.response, _answer(task, "math_verify"))
-
-
-def math_verify_answer(response: str, answer: str) -> float:
-    """1.0 if math-verify finds the response's final answer equal to the GSM8K gold answer.
-
-    math-verify's `parse` extracts `\\boxed{72}`, "The answer is 72", a bare "72" (it takes the
-    last number it finds otherwise). A response in GSM8K's own format is read after its last
-    `####` first, so a trailing remark like "#### 72\\nHope this helps, 5 stars" is not read as 5.
-
-    Timeouts are off here (`parsing_timeout=None`, `timeout_seconds=None`): math-verify implements
-    them with SIGALRM, which raises ValueError outside the main thread and would clobber the
-    caller's own alarm handler. `RewardScorer` enforces the time limit instead.
-    """
-    # imported here, not at the top: math-verify loads sympy's LaTeX parser (0.75 s), which the
-    # launcher's check of the reward name and every run without this reward would pay for nothing.
-    # RewardScorer imports it before forking (the registered `preload`), so no child pays it.
-    from math_verify import parse, verify
-
-    gold = parse(gsm8k_gold(answer), parsing_timeout=None)
-    if not gold:
-        raise ValueError(
-            f"math_verify cannot parse the gold answer {answer!r}; check that data.answer_key "
-            f"names a column holding GSM8K-style answers ('...#### 72') or bare numbers"
-        )
-    pred = []
-    if "####" in response:
-        tail = response.rsplit("####", 1)[1].strip().splitlines()
-        if tail:
-            pred = parse(tail[0].replace(",", ""), parsing_timeout=None)
-    if not pred:
-        pred = parse(response, parsing_timeout=None)
-    if not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=None) else 0.0
 
 
 # short: it must fit small judges' contexts (the quickstart's tiny model has 64 tokens)
@@ -205,15 +175,46 @@ def _reward_value(value: Any) -> float:
     return value
 
 
-def reward_values(result: Any, batch: bool, n: int) -> list[float]:
-    """What a reward function returned, checked: one number, or (batch) a sequence of n numbers."""
+Scored = tuple[float, dict[str, float]]  # a sample's reward, and the metrics a dict result carried
+
+
+def _scored(value: Any) -> Scored:
+    """One reward: a number, or a dict with "score" and other values (verl's compute_score form),
+    whose other finite numbers are kept as metrics; the rest (verl's "pred" text) is left out."""
+    if not isinstance(value, Mapping):
+        return _reward_value(value), {}
+    if "score" not in value:
+        raise ValueError(f"reward returned a dict without a 'score' key (keys: {', '.join(map(str, value))}); "
+                         "return a number, or a dict with 'score' and other values")
+    metrics = {}
+    for key, item in value.items():
+        if key != "score":
+            try:
+                metrics[str(key)] = _reward_value(item)
+            except (ValueError, RuntimeError):  # not one finite number (`.item()` of a longer array)
+                pass
+    return _reward_value(value["score"]), metrics
+
+
+def _per_sample(result: Any, batch: bool, n: int) -> list[Any]:
     if not batch:
-        return [_reward_value(result)]
-    if isinstance(result, (str, bytes)) or not hasattr(result, "__len__"):
+        return [result]
+    if isinstance(result, (str, bytes, Mapping)) or not hasattr(result, "__len__"):
         raise ValueError(f"batch reward returned {result!r:.40} ({type(result).__name__}), not a list of rewards")
     if len(result) != n:
         raise ValueError(f"batch reward returned {len(result)} rewards for {n} trajectories")
-    return [_reward_value(v) for v in result]
+    return list(result)
+
+
+def reward_results(result: Any, batch: bool, n: int) -> list[Scored]:
+    """What a reward function returned, checked: one reward, or (batch) a sequence of n; each a
+    number or a dict with "score"."""
+    return [_scored(v) for v in _per_sample(result, batch, n)]
+
+
+def reward_values(result: Any, batch: bool, n: int) -> list[float]:
+    """`reward_results` for numbers only: one number, or (batch) a sequence of n numbers."""
+    return [_reward_value(v) for v in _per_sample(result, batch, n)]
 
 
 def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
@@ -231,7 +232,7 @@ def _serve(fn: Callable, conn: Connection, parent_end: Connection) -> None:
             return
         try:
             result = fn(*args)
-            reply: tuple = ("ok", reward_values(result, batch, len(args[0]) if batch else 1))
+            reply: tuple = ("ok", reward_results(result, batch, len(args[0]) if batch else 1))
         except Exception as exc:  # the reward's own bug or bad input: report it, keep serving
             reply = ("error", type(exc).__name__, str(exc))
         conn.send(reply)
@@ -305,6 +306,13 @@ class _Child:
             time.sleep(0.005)
 
 
+def _settle(trajectories: list[Experience], results: list[Scored]) -> list[float]:
+    """The rewards of `results`; the metrics a dict result carried go into its trajectory's."""
+    for trajectory, (_, metrics) in zip(trajectories, results):
+        trajectory.metrics.update(metrics)
+    return [value for value, _ in results]
+
+
 class RewardScorer:
     """Scores trajectories with a reward (a REWARDS name, a dotted path or a function); a raising
     or slow sample scores 0.0 and is counted.
@@ -340,14 +348,17 @@ class RewardScorer:
         self._lock = threading.Lock()
 
     def score(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
-        """One reward per (trajectory, task) pair, in order (a group reward: one task's samples)."""
+        """One reward per (trajectory, task) pair, in order (a group reward: one task's samples).
+        A reward's dict result's other numbers go into its trajectory's `metrics`."""
         self._check(trajectories, tasks)
         if self.is_async:
             return asyncio.run(self.score_async(trajectories, tasks))
         with self._lock:
             if self.batch:
-                return self._call(self._batch_args(trajectories, tasks), len(trajectories)) if trajectories else []
-            return [self._call((t, task), 1)[0] for t, task in zip(trajectories, tasks)]
+                results = self._call(self._batch_args(trajectories, tasks), len(trajectories)) if trajectories else []
+            else:
+                results = [self._call((t, task), 1)[0] for t, task in zip(trajectories, tasks)]
+        return _settle(trajectories, results)
 
     async def score_async(self, trajectories: list[Experience], tasks: list[Task]) -> list[float]:
         """`score` for callers on an event loop: plain rewards run in a worker thread (and their
@@ -358,9 +369,11 @@ class RewardScorer:
         if self.batch:
             if not trajectories:
                 return []
-            return await self._await(self.fn(*self._batch_args(trajectories, tasks)), len(trajectories))
-        return [v for vs in await asyncio.gather(*(self._await(self.fn(t, task), 1)
-                                                   for t, task in zip(trajectories, tasks))) for v in vs]
+            results = await self._await(self.fn(*self._batch_args(trajectories, tasks)), len(trajectories))
+        else:
+            results = [r for rs in await asyncio.gather(*(self._await(self.fn(t, task), 1)
+                                                          for t, task in zip(trajectories, tasks))) for r in rs]
+        return _settle(trajectories, results)
 
     def _check(self, trajectories: list, tasks: list) -> None:
         if len(trajectories) != len(tasks):
@@ -375,16 +388,16 @@ class RewardScorer:
     def _batch_args(self, trajectories: list[Experience], tasks: list[Task]) -> tuple:
         return (list(trajectories), tasks[0]) if self.group else (list(trajectories), list(tasks))
 
-    async def _await(self, pending: Any, n: int) -> list[float]:
+    async def _await(self, pending: Any, n: int) -> list[Scored]:
         try:
             result = await asyncio.wait_for(pending, self.timeout_s * n)
-            return reward_values(result, self.batch, n)
+            return reward_results(result, self.batch, n)
         except asyncio.TimeoutError:
             return self._timed_out(n)
         except Exception as exc:
             return self._failed(type(exc).__name__, str(exc), n)
 
-    def _call(self, args: tuple, n: int) -> list[float]:
+    def _call(self, args: tuple, n: int) -> list[Scored]:
         if self._child is None:
             self._child = _Child(self.fn, self.name)
         reply = self._child.call(args, self.batch, self.timeout_s * n)
@@ -399,16 +412,16 @@ class RewardScorer:
             self._child = None
         return self._failed(kind, message, n)
 
-    def _timed_out(self, n: int) -> list[float]:
+    def _timed_out(self, n: int) -> list[Scored]:
         self.timeouts += n
         self._warn_once("timeout", f"reward {self.name!r} took longer than {self.timeout_s:g} s "
                                    f"(rollout.reward_timeout_s) on a sample; it scores 0.0")
-        return [0.0] * n
+        return [(0.0, {})] * n
 
-    def _failed(self, kind: str, message: str, n: int) -> list[float]:
+    def _failed(self, kind: str, message: str, n: int) -> list[Scored]:
         self.errors += n
         self._warn_once(kind, f"reward {self.name!r} raised {kind}: {message}; the sample scores 0.0")
-        return [0.0] * n
+        return [(0.0, {})] * n
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._logged:

@@ -12,6 +12,7 @@ from omegaconf.errors import MissingMandatoryValue, OmegaConfBaseException
 
 from rft.config import RFTConfig
 from rft.config.checks import validate
+from rft.config.plugin_checks import absolute_plugin_files
 from rft.runtime.decoupled import JOB_DIRS, split_run_dir
 from rft.runtime.run_dir import Owner
 
@@ -74,6 +75,7 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
         key = getattr(err, "full_key", None)
         raise ValueError(f"{key + ': ' if key else ''}{str(err).splitlines()[0]}") from None
     cfg.run.output_dir = os.path.abspath(cfg.run.output_dir)
+    absolute_plugin_files(cfg)  # "rewards.py:fn" is relative to here; a Slurm job's ranks start elsewhere
     if cfg.monitor.group is None:  # what groups the tracked runs (W&B, MLflow): the sweep, else the run
         sweep_dir = HydraConfig.get().sweep.dir if multirun else None
         parent, leaf = os.path.split(os.path.normpath(os.path.abspath(sweep_dir or cfg.run.output_dir)))

@@ -10,7 +10,8 @@ import pytest
 
 from rft.buffer.experience import Experience
 from rft.data.taskset import Task
-from rft.explorer.rewards import REWARDS, RewardScorer, exact_match, gsm8k_gold, math_verify, math_verify_answer
+from rft.explorer.math_answers import gsm8k_gold
+from rft.explorer.rewards import REWARDS, RewardScorer, exact_match, math_verify, math_verify_answer
 
 
 def trajectory(response: str) -> Experience:
@@ -75,6 +76,40 @@ def test_math_verify_rejects_wrong_or_missing_answers(response):
 def test_math_verify_handles_thousands_separators():
     assert math_verify_answer("The answer is 1,200", "... \n#### 1,200") == 1.0
     assert math_verify_answer("#### 1,200", "#### 1200") == 1.0
+
+
+# Gold answers in the layouts math datasets use, each with a right and a wrong response. The plain
+# LaTeX ones did not score before math_answers.py read a plain answer as LaTeX: math-verify found
+# nothing in a bare "\\sqrt{2}" and only the 2 of "2\\sqrt{3}", and "(1, 2)" lost its comma.
+GOLD_FORMS = [
+    # GSM8K
+    (GSM8K_GOLD, "so 72 in total.\n#### 72", "#### 27"),
+    # plain, as verl's reward_model.ground_truth, DAPO-Math's or MATH-500's answer column holds them
+    ("72", "The answer is \\boxed{72}.", "The answer is \\boxed{73}."),
+    ("-3", "x = -3", "\\boxed{3}"),
+    ("\\frac{1}{2}", "so $x = 0.5$", "\\boxed{\\frac{1}{3}}"),
+    ("\\sqrt{2}", "\\boxed{\\sqrt{2}}", "\\boxed{\\sqrt{3}}"),
+    ("2\\sqrt{3}", "\\boxed{\\sqrt{12}}", "\\boxed{2}"),
+    ("x^2+1", "\\boxed{1 + x^2}", "\\boxed{x^2 - 1}"),
+    ("(1, 2)", "\\boxed{(1,2)}", "\\boxed{(2, 1)}"),
+    ("\\text{(B)}", "The answer is \\boxed{B}", "The answer is \\boxed{C}"),
+    # \boxed{}: a MATH solution (its last box counts), or the boxed answer alone
+    ("Since $\\sin x = 1$, $x = \\boxed{\\frac{\\pi}{2}}$.", "\\boxed{\\pi/2}", "\\boxed{\\pi}"),
+    ("First \\boxed{3}, then \\boxed{5}", "\\boxed{5}", "\\boxed{3}"),
+    ("\\boxed{\\frac{1}{2}}", "The answer is \\boxed{\\frac{2}{4}}", "The answer is \\boxed{2}"),
+]
+
+
+@pytest.mark.parametrize("gold, right, wrong", GOLD_FORMS, ids=lambda v: v[:12])
+def test_math_verify_scores_every_gold_layout(gold, right, wrong):
+    task = Task(0, "q", gold)
+    assert math_verify(trajectory(right), task) == 1.0
+    assert math_verify(trajectory(wrong), task) == 0.0
+
+
+def test_math_verify_names_a_gold_answer_it_cannot_read():
+    with pytest.raises(ValueError, match="cannot parse the gold answer ' '.*data.answer_key"):
+        math_verify_answer("72", " ")
 
 
 def test_math_verify_works_off_the_main_thread():
@@ -253,3 +288,50 @@ def test_the_reward_process_holds_no_pipe_of_the_parent_open():
         os.close(read_end)
         if write_end is not None:
             os.close(write_end)
+
+
+# --- verl's compute_score, by reference -----------------------------------------------------------
+
+def verl_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl's custom reward signature: sees the row's data_source and extra_info, the response and
+    the answer; returns a dict with "score" and other values, as verl's rewards may."""
+    assert data_source == "openai/gsm8k" and extra_info == {"split": "train"}
+    correct = solution_str.strip() == ground_truth
+    return {"score": 1.0 if correct else -0.5, "acc": correct, "pred": solution_str.strip()}
+
+
+async def verl_score_async(data_source, solution_str, ground_truth, extra_info):
+    return float(solution_str == ground_truth) + (0.5 if extra_info == {} and data_source is None else 0.0)
+
+
+def verl_score_without_score(data_source, solution_str, ground_truth, extra_info):
+    return {"acc": 1.0}
+
+
+def test_a_verl_compute_score_is_adapted_and_its_other_values_become_metrics():
+    fn = REWARDS.resolve(me("verl_score"))
+    assert REWARDS.variant(fn) == "default" and REWARDS.meta(fn) == {"needs_answer": True}
+    row = {"data_source": "openai/gsm8k", "extra_info": {"split": "train"}}
+    runs = [trajectory("72"), trajectory("71")]
+    with RewardScorer(me("verl_score"), timeout_s=5) as scorer:
+        assert scorer.score(runs, [Task(0, "q", "72", row=row)] * 2) == [1.0, -0.5]
+        assert (scorer.errors, scorer.timeouts) == (0, 0)
+    assert [r.metrics for r in runs] == [{"acc": 1.0}, {"acc": 0.0}]  # "pred" is text: left out
+    assert row["extra_info"] == {"split": "train"}  # the function gets a copy
+
+
+def test_an_async_verl_compute_score_gets_none_and_an_empty_dict_for_missing_columns():
+    with RewardScorer(me("verl_score_async"), timeout_s=5) as scorer:
+        assert scorer.is_async and scored(scorer, ["a", "b"], ["a", "a"]) == [1.5, 0.5]
+
+
+def test_a_dict_reward_without_a_score_is_an_error_naming_the_key(caplog):
+    with RewardScorer(me("verl_score_without_score"), timeout_s=5) as scorer, caplog.at_level(logging.WARNING):
+        assert scored(scorer, ["a"], ["a"]) == [0.0] and scorer.errors == 1
+    assert "without a 'score' key (keys: acc)" in caplog.text
+
+
+def test_the_signature_error_names_the_verl_form_as_accepted():
+    with pytest.raises(ValueError) as err:
+        REWARDS.resolve(me("old_style"))
+    assert "verl form fn(data_source, solution_str, ground_truth, extra_info)" in str(err.value)

@@ -38,13 +38,18 @@ _DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _check_file(key: str, path: Optional[str], generated: bool) -> None:
+    """A taskset path names files rft reads, and one split of a folder or glob with several
+    (rft/data/sources.py: only the folder is listed, no row is read)."""
+    from rft.data.sources import resolve
+
     if path is None or generated:
         return
-    if not os.path.exists(path):
-        config_error(key, path, "no such file; point it at a .jsonl or .parquet taskset "
-                         f"(e.g. `{key}=../shared/data/gsm8k/train.jsonl`)")
-    if not path.endswith((".jsonl", ".json", ".parquet")):
-        config_error(key, path, "use a .jsonl or .parquet file")
+    try:
+        resolve(path)
+    except ValueError as err:
+        fix = (f"; point it at a .jsonl or .parquet taskset (e.g. `{key}=../shared/data/gsm8k/train.jsonl`), "
+               f"a folder of a dataset's files, or `{key}=FOLDER@SPLIT`") if "does not exist" in str(err) else ""
+        config_error(key, path, f"{err}{fix}")
 
 
 def _check_expert_rows(prefix: str, stage: RFTConfig) -> None:
@@ -106,6 +111,7 @@ def validate(cfg: RFTConfig) -> None:
         config_error("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
     for key, value, least in (("trainer.save_interval", cfg.trainer.save_interval, 0),
                               ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1),
+                              ("trainer.keep_hf_exports", cfg.trainer.keep_hf_exports, 0),
                               ("cluster.max_requeues", cfg.cluster.max_requeues, 0),
                               ("cluster.signal_delay_s", cfg.cluster.signal_delay_s, 0)):
         if value < least:

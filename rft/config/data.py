@@ -80,15 +80,17 @@ class EnvTasksConfig:
 
 @dataclass
 class DataConfig:
-    train_path: str = MISSING  # taskset for training: .jsonl or .parquet
-    eval_path: Optional[str] = None  # held-out taskset for eval/accuracy (None: no eval)
+    train_path: str = MISSING  # taskset for training: .jsonl(.gz), .json(.gz), .parquet, a folder or glob of a Hub dataset's shards, or a save_to_disk folder; `path@split` picks a split
+    eval_path: Optional[str] = None  # held-out taskset for eval/accuracy, as train_path, e.g. /data/gsm8k@test (None: no eval)
     expert_path: Optional[str] = None  # CHORD (algorithm.expert_rows): demonstrations, rows as SFT's (None: train_path's answers)
-    prompt_key: str = "question"  # column holding the prompt text
-    answer_key: str = "answer"  # column holding the reference answer
-    id_key: Optional[str] = None  # column holding a task id (None: the row's index)
+    prompt_key: str = "question"  # column holding the prompt: text, or chat messages ending with a user turn; a dotted key reads a nested field
+    answer_key: str = "answer"  # column holding the reference answer; dotted for a nested field, e.g. reward_model.ground_truth
+    id_key: Optional[str] = None  # column holding a task id, dotted for a nested field, e.g. extra_info.index (None: the row's index)
     chosen_key: str = "chosen"  # preference data (DPO): the preferred response
     rejected_key: str = "rejected"  # preference data (DPO): the dispreferred response
-    prompt_template: str = "{prompt}"  # format string applied to the prompt column
+    prompt_template: str = "{prompt}"  # format string applied to the prompt text (a messages prompt: to its last user turn)
+    system_prompt: Optional[str] = None  # system message sent before every prompt (None: none); a row's system_key value or own system turn wins
+    system_key: Optional[str] = None  # column holding a row's system prompt, wins over system_prompt (None: no such column; null or blank: system_prompt)
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
     overlong: str = "skip"  # rows longer than the context: skip (counted) | truncate_left (cut the prompt's start) | error
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch

@@ -7,7 +7,8 @@ model's `max_position_embeddings`) is handled by `data.overlong`:
 
     skip           dropped and counted (the run summary and TensorBoard's `data/overlong_skipped`)
     truncate_left  the prompt loses its beginning, whole tokens, until the row fits (the answer,
-                   the template's suffix and the chat scaffolding stay); counted as truncated
+                   the template's suffix, the chat scaffolding, the system prompt and a messages
+                   prompt's earlier turns stay: only the last user turn is cut); counted as truncated
     error          the run stops, naming the row, its length and the context
 
 Why it matters: one overlong row padded into a microbatch makes attention quadratic in its length
@@ -29,8 +30,9 @@ _CHUNK = 1024  # rows tokenized per call: bounded memory on large tasksets
 
 
 def row_label(path: str, index: int) -> str:
-    """Where a row is in its file: jsonl rows by line number, other formats by 0-based row."""
-    return f"line {index + 1}" if path.endswith((".jsonl", ".json")) else f"row {index}"
+    """Where a row is: a jsonl file's by line number, others by 0-based row (of the split, for a
+    folder or glob of shards: rft/data/sources.py)."""
+    return f"line {index + 1}" if path.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")) else f"row {index}"
 
 
 @dataclass

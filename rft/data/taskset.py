@@ -2,9 +2,14 @@
 
 A task keeps every column of its source row (`Task.row`): workflows, environments and rewards
 read what they need from it (a grid world's start and goal, a test case's inputs). `prompt` and
-`answer` are the columns `data.prompt_key` / `data.answer_key` name, required by workflows that
-prompt with them (single_turn) and optional for the others (an environment builds its own first
-message).
+`answer` are the columns `data.prompt_key` / `data.answer_key` name (dotted keys read nested
+fields, rft/data/rows.py), required by workflows that prompt with them (single_turn) and optional
+for the others (an environment builds its own first message). A prompt is text, or chat messages
+ending with a user turn; either way `Task.prompt` is the text the model answers (the last user
+turn's), and rft/data/prompts.py `prompt_messages` gives the messages a task is sent.
+
+Where the rows come from (a file, a folder or glob of shards, a `datasets` save_to_disk folder,
+`path@split`) is rft/data/sources.py.
 
 Bad rows are skipped and counted rather than raised: real datasets carry a few broken lines, and
 one of them should not kill a multi-node launch. Only when *nothing* usable is left do we raise,
@@ -13,28 +18,34 @@ with examples, because then the keys or the file are almost certainly wrong.
 
 from __future__ import annotations
 
-import json
-import os
 import string
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
+from rft.data import sources
+from rft.data.rows import Message, MissingKey, has_key, lookup, prompt_messages, system_prompt, text_field
+
 _MAX_EXAMPLES = 5  # skipped-row messages kept in a report; the count is always exact
+
+# rows shaped like another framework's layout, and the config group that reads them (conf/data/)
+_LAYOUT_HINTS = ((("prompt", "reward_model"), "verl"), (("prompt", "response"), "trinity"))
 
 
 @dataclass(frozen=True)
 class Task:
-    """One problem. `index` is the row's 0-based position in the file (skipped rows included),
-    so a task can be traced back to its source line (line number = index + 1 for jsonl)."""
+    """One problem. `index` is the row's 0-based position in its split (skipped rows included), so
+    a task can be traced back to its source line (line number = index + 1 for jsonl)."""
 
     index: int
-    prompt: str | None  # the prompt column after data.prompt_template; None if the row has none
+    prompt: str | None  # the prompt after data.prompt_template (a messages prompt: its last user turn); None if the row has none
     answer: str | None  # the reference answer; for preference data (DPO) the chosen response
     rejected: str | None = None  # preference data: the rejected response
     row: dict[str, Any] = field(default_factory=dict, compare=False)  # every column of the source row
     id: str = field(default="", compare=False)  # data.id_key's value, else the row index
+    system: str | None = None  # the system prompt sent first: the prompt's own system turn, else data.system_key's column, else data.system_prompt
+    history: tuple[Message, ...] = field(default=(), hash=False)  # a messages prompt's turns between its system turn and its last user turn
 
     @property
     def task_id(self) -> str:
@@ -73,90 +84,66 @@ def _check_template(prompt_template: str) -> None:
         )
 
 
-def _jsonl_rows(path: str) -> Iterator[tuple[int, str, Any]]:
-    """Yield (0-based line index, location label, parsed object or a ValueError) per non-blank line.
+@dataclass(frozen=True)
+class RowKeys:
+    """Which columns of a row are what (the `data` section's keys; dotted keys read nested fields)."""
 
-    Lines are read as bytes so a line with invalid UTF-8 is one skipped row, not a crash.
-    Blank lines are not rows, but they keep their line number so indices match the file.
-    """
-    with open(path, "rb") as f:
-        for i, raw in enumerate(f):
-            if not raw.strip():
-                continue
-            try:
-                yield i, f"line {i + 1}", json.loads(raw)
-            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
-                yield i, f"line {i + 1}", ValueError(f"invalid JSON ({e.__class__.__name__}: {e})")
-
-
-def _json_array_rows(path: str) -> Iterator[tuple[int, str, Any]]:
-    """A `.json` file holding one top-level array: tolerated because it is the other common layout."""
-    with open(path, "rb") as f:
-        try:
-            data = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path}: starts with '[' but is not a valid JSON array ({e})") from None
-    for i, obj in enumerate(data):
-        yield i, f"row {i}", obj
+    prompt: str
+    answer: str
+    template: str = "{prompt}"
+    rejected: str | None = None  # preference data
+    required: tuple[str, ...] = ("prompt", "answer")  # "prompt"/"answer" stand for the two keys above
+    id: str | None = None
+    messages: str | None = None  # SFT conversations
+    system: str | None = None  # data.system_key
+    system_prompt: str | None = None  # data.system_prompt
 
 
-def _parquet_rows(path: str) -> Iterator[tuple[int, str, Any]]:
-    import pyarrow.parquet as pq  # imported lazily: jsonl-only users pay nothing
-
-    for i, obj in enumerate(pq.read_table(path).to_pylist()):
-        yield i, f"row {i}", obj
-
-
-def _starts_with_bracket(path: str) -> bool:
-    with open(path, "rb") as f:
-        head = f.read(4096).lstrip()
-    return head.startswith(b"[")
-
-
-def _text_field(obj: dict, key: str) -> str:
-    """A reference/response field as text, or raise ValueError with the reason."""
-    value = obj[key]
-    # bool is an int subclass but True/False as a reference answer is almost surely a data bug.
-    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        raise ValueError(f"answer {key!r} must be a string or number (got {type(value).__name__})")
-    if not str(value).strip():
-        raise ValueError(f"answer {key!r} is empty")  # nothing to verify against
-    return str(value)
+def _prompt(obj: dict, keys: RowKeys) -> tuple[str | None, str | None, tuple[Message, ...]]:
+    """(prompt text after the template, the prompt's own system turn, the turns between) of a row.
+    A messages prompt's last user turn is the text, and the template fills that turn."""
+    value = lookup(obj, keys.prompt)
+    if isinstance(value, list):
+        messages = prompt_messages(value, keys.prompt)
+        own_system = messages.pop(0)["content"] if messages[0]["role"] == "system" else None
+        return keys.template.format(prompt=messages[-1]["content"]), own_system, tuple(messages[:-1])
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"prompt {keys.prompt!r} must be a non-empty string or a list of chat messages "
+                         f"(got {value!r:.40})")
+    return keys.template.format(prompt=value), None, ()
 
 
-def _row_to_task(index: int, obj: Any, prompt_key: str, answer_key: str, template: str,
-                 rejected_key: str | None = None, required: tuple[str, ...] = ("prompt", "answer"),
-                 id_key: str | None = None, messages_key: str | None = None) -> Task | str:
-    """Return a Task, or a short reason the row is unusable. `required`: the columns the row must
-    hold, "prompt" and "answer" standing for `prompt_key` and `answer_key` (every column is kept,
-    in `Task.row`)."""
+def _row_to_task(index: int, obj: Any, keys: RowKeys) -> Task | str:
+    """Return a Task, or a short reason the row is unusable (every column is kept, in `Task.row`)."""
     if isinstance(obj, ValueError):
         return str(obj)
     if not isinstance(obj, dict):
         return f"not a JSON object (got {type(obj).__name__})"
-    if messages_key is not None and messages_key in obj:  # a conversation to train on (SFT)
-        problem = _messages_problem(obj[messages_key], messages_key)
-        if problem:
-            return problem
-        required = ()
-    roles = {"prompt": prompt_key, "answer": answer_key}
-    needed = [roles.get(column, column) for column in required]
-    for key in (*needed, rejected_key):
-        if key is not None and key not in obj:
-            keys = ", ".join(sorted(map(str, obj))[:8])
-            return f"missing key {key!r} (row has: {keys})"
-    prompt = obj.get(prompt_key)
-    if prompt is not None or "prompt" in required:
-        if not isinstance(prompt, str) or not prompt.strip():
-            return f"prompt {prompt_key!r} must be a non-empty string (got {prompt!r:.40})"
-        prompt = template.format(prompt=prompt)
+    required = keys.required
     try:
-        answer = _text_field(obj, answer_key) if answer_key in obj or "answer" in required else None
-        rejected = _text_field(obj, rejected_key) if rejected_key is not None else None
-    except ValueError as err:
+        if keys.messages is not None and has_key(obj, keys.messages):  # a conversation to train on (SFT)
+            problem = _messages_problem(lookup(obj, keys.messages), keys.messages)
+            if problem:
+                return problem
+            required = ()
+        roles = {"prompt": keys.prompt, "answer": keys.answer}
+        for key in (*[roles.get(column, column) for column in required], keys.rejected):
+            if key is not None:
+                lookup(obj, key)  # MissingKey names the key
+        prompt, system, history = None, None, ()
+        if "prompt" in required or (has_key(obj, keys.prompt) and lookup(obj, keys.prompt) is not None):
+            prompt, system, history = _prompt(obj, keys)
+        if system is None:  # a messages prompt's own system turn wins over the column and the setting
+            system = system_prompt(obj, keys.system, keys.system_prompt)
+        answer = text_field(obj, keys.answer) if "answer" in required or has_key(obj, keys.answer) else None
+        rejected = text_field(obj, keys.rejected) if keys.rejected is not None else None
+    except (MissingKey, ValueError) as err:
         return str(err)
-    task_id = str(obj[id_key]) if id_key is not None and obj.get(id_key) is not None else ""
-    return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj, id=task_id)
+    task_id = ""
+    if keys.id is not None and has_key(obj, keys.id) and lookup(obj, keys.id) is not None:
+        task_id = str(lookup(obj, keys.id))
+    return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj, id=task_id,
+                system=system, history=history)
 
 
 def _messages_problem(messages: Any, key: str) -> str | None:
@@ -172,33 +159,45 @@ def _messages_problem(messages: Any, key: str) -> str | None:
     return None
 
 
+def _layout_hint(first_row: Any, keys: RowKeys) -> str:
+    """A hint when the keys miss the rows and the rows look like a layout a config group reads."""
+    if not isinstance(first_row, dict) or (has_key(first_row, keys.prompt) and has_key(first_row, keys.answer)):
+        return ""
+    for columns, group in _LAYOUT_HINTS:
+        if all(c in first_row for c in columns):
+            return (f"\nthe rows look like {group}'s layout: add `+data={group}` to the command line, after any "
+                    "+experiment=... (the later one sets data.prompt_key etc.)")
+    return ""
+
+
 def read_taskset(
     path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None,
     required: tuple[str, ...] = ("prompt", "answer"), id_key: str | None = None, messages_key: str | None = None,
+    *, system_key: str | None = None, system_prompt: str | None = None,
 ) -> tuple[list[Task], TasksetReport]:
-    """Read `.jsonl`/`.json` (one object per line, or one top-level array) or `.parquet` rows.
+    """Read the rows `path` names (rft/data/sources.py: a .jsonl/.json/.parquet file, gzipped json,
+    a folder or glob of shards, a save_to_disk folder, `path@split`) as tasks.
 
-    Rows that are not valid JSON, not objects, lack a required key, or have a non-string/empty
-    prompt are skipped and counted in the report. Numeric answers become strings via `str()`.
+    Rows that are not valid JSON, not objects, lack a required key, or have a bad prompt (not
+    non-empty text nor chat messages ending with a user turn) or answer are skipped and counted in
+    the report, each example naming the row (shard, line or row) and the key. Numeric answers become
+    strings via `str()`. `required`: the columns the row must hold, "prompt" and "answer" standing
+    for `prompt_key` and `answer_key`.
     """
     _check_template(prompt_template)
-    if not os.path.isfile(path):
-        raise ValueError(f"taskset file {path!r} does not exist; check data.train_path / data.eval_path")
-    ext = os.path.splitext(path)[1].lower()
-    if ext == ".parquet":
-        rows = _parquet_rows(path)
-    elif ext == ".jsonl" or (ext == ".json" and not _starts_with_bracket(path)):
-        rows = _jsonl_rows(path)
-    elif ext == ".json":
-        rows = _json_array_rows(path)
-    else:
-        raise ValueError(f"taskset file {path!r} has extension {ext!r}; use .jsonl, .json or .parquet")
+    try:
+        source = sources.resolve(path)
+    except ValueError as err:
+        raise ValueError(f"{err}; check data.train_path / data.eval_path") from None
+    keys = RowKeys(prompt_key, answer_key, prompt_template, rejected_key, required, id_key, messages_key,
+                   system_key, system_prompt)
 
     tasks: list[Task] = []
     report = TasksetReport(path=path, rows=0, skipped=0)
-    for index, where, obj in rows:
-        result = _row_to_task(index, obj, prompt_key, answer_key, prompt_template, rejected_key, required, id_key,
-                              messages_key)
+    first_row = None
+    for index, where, obj in sources.rows(source):
+        first_row = obj if first_row is None else first_row
+        result = _row_to_task(index, obj, keys)
         if isinstance(result, Task):
             tasks.append(result)
             continue
@@ -211,6 +210,7 @@ def read_taskset(
         raise ValueError(
             f"taskset {path!r} has no valid rows ({report.skipped} skipped) with "
             f"data.prompt_key={prompt_key!r}, data.answer_key={answer_key!r}; examples:\n  {examples}"
+            + _layout_hint(first_row, keys)
         )
     return tasks, report
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rft.buffer.experience import Experience
+from rft.data.prompts import prompt_messages
 from rft.data.taskset import Task
 from rft.explorer.model_client import ModelClient
 from rft.explorer.workflows.registry import WORKFLOWS, WorkflowContext
@@ -10,6 +11,7 @@ from rft.explorer.workflows.registry import WORKFLOWS, WorkflowContext
 
 @WORKFLOWS.register("single_turn", columns=("prompt",), per_task=True)
 async def single_turn(task: Task, model: ModelClient, ctx: WorkflowContext) -> list[Experience]:
-    """The task's prompt as one user message; `ctx.samples` replies, sampled in one request."""
-    convo = model.conversation([{"role": "user", "content": task.prompt}])
+    """The task's messages (its system prompt, a messages prompt's turns, the prompt as the user
+    turn: rft/data/prompts.py, as eval and SFT format them); `ctx.samples` replies, sampled in one request."""
+    convo = model.conversation(prompt_messages(task))
     return [branch.experience() for branch in await convo.replies(ctx.samples)]

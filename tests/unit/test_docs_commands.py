@@ -90,8 +90,10 @@ def _overrides(command: str, root: str) -> list[str] | None:
         elif bare in PATH_KEYS:
             value = os.path.join(root, "paths", value.strip("/").replace("/", "_") or "dir")
             if bare.startswith("data."):
-                os.makedirs(os.path.dirname(value), exist_ok=True)
-                open(value, "w").write(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+                folder, at, split = value.rpartition("@")  # FOLDER@SPLIT: a folder holding that split
+                file = os.path.join(folder, f"{split}.jsonl") if at else value
+                os.makedirs(os.path.dirname(file), exist_ok=True)
+                open(file, "w").write(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
         overrides.append(f"{key}={value}")
     if not any(o.startswith("+experiment=") for o in overrides):
         overrides.insert(0, "+experiment=quickstart")

@@ -331,6 +331,17 @@ def test_a_dict_reward_without_a_score_is_an_error_naming_the_key(caplog):
     assert "without a 'score' key (keys: acc)" in caplog.text
 
 
+def default_compute_score(data_source, solution_str, ground_truth, extra_info=None, sandbox_fusion_url=None,
+                          concurrent_semaphore=None, memory_limit_mb=None, **kwargs):
+    """The signature of verl's own verl.utils.reward_score.default_compute_score (verl not installed here)."""
+    return 0.25
+
+
+def test_verls_default_compute_score_signature_is_the_verl_form():
+    fn = REWARDS.resolve(me("default_compute_score"))
+    assert fn(trajectory("x"), Task(0, "q", "a")) == 0.25 and fn.rft_adapted is default_compute_score
+
+
 def test_the_signature_error_names_the_verl_form_as_accepted():
     with pytest.raises(ValueError) as err:
         REWARDS.resolve(me("old_style"))

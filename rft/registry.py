@@ -259,8 +259,9 @@ def _import_file(spec: str, kind: str, what: str = "function") -> Callable[..., 
             del sys.modules[name]
             if not isinstance(err, Exception):
                 raise  # KeyboardInterrupt, SystemExit: not the file's mistake to report
-            raise ValueError(f"{kind} '{spec}': importing {path} raised {_raised_in(err, path)}; fix the "
-                             f"file (run `python {path}` to see the whole traceback)") from None
+            fix = _DEPENDENCY if isinstance(err, ImportError) else \
+                f"fix the file (run `python {path}` to see the whole traceback)"
+            raise ValueError(f"{kind} '{spec}': importing {path} raised {_raised_in(err, path)}; {fix}") from None
     return _attribute(module, attr, spec, kind, what, f"file {path}")
 
 
@@ -271,6 +272,9 @@ def _import_dotted(path: str, kind: str, what: str = "function") -> Callable[...
     try:
         module = importlib.import_module(module_name)
     except ImportError as err:
+        if err.name and not f"{module_name}.".startswith(f"{err.name}."):  # found, but what it imports is not
+            raise ValueError(f"{kind} '{path}': importing module '{module_name}' raised "
+                             f"{_raised_in(err, None)}; {_DEPENDENCY}") from None
         raise ValueError(f"{kind} '{path}': cannot import module '{module_name}' ({err}); "
                          f"check the dotted path and that the package is on PYTHONPATH, or give the "
                          f"file instead: 'path/to/{module_name.rpartition('.')[2]}.py:{attr}'") from None
@@ -278,6 +282,11 @@ def _import_dotted(path: str, kind: str, what: str = "function") -> Callable[...
         raise ValueError(f"{kind} '{path}': importing module '{module_name}' raised "
                          f"{_raised_in(err, None)}; fix the module") from None
     return _attribute(module, attr, path, kind, what, f"module '{module_name}'")
+
+
+# the launcher imports a plugin on the login node to check it, where a GPU-side package may be missing
+_DEPENDENCY = ("install that package where the launcher runs (it imports your code to check it), or import it "
+               "inside the function that uses it")
 
 
 def _example(what: str) -> str:

@@ -57,7 +57,7 @@ def test_every_kind_imports_a_file_once_relative_to_the_working_directory(plugin
     assert WORKFLOWS.resolve("plugins.py:flow").__name__ == "flow"
     assert ENVIRONMENTS.resolve(f"{plugins}/plugins.py:Env").__name__ == "Env"  # a class registry
     # one module for all of them, however the path is spelt
-    assert REWARDS.resolve(f"./sub/../plugins.py:reward") is REWARDS.resolve("plugins.py:reward")
+    assert REWARDS.resolve("./sub/../plugins.py:reward") is REWARDS.resolve("plugins.py:reward")
     assert os.environ["RFT_TEST_PLUGIN_LOADS"] == "x"
 
 
@@ -109,12 +109,16 @@ def rollout_error(key: str, value: str) -> str:
     ("rollout.workflow", "broken.py:flow", "importing {dir}/broken.py raised KeyError: 'OPENAI_API_KEY' "
                                            "(broken.py line 3); fix the file"),
     ("rollout.workflow", "typo.py:flow", "importing {dir}/typo.py raised SyntaxError"),
+    ("algorithm.reward", "gpu_only.py:fn", "importing {dir}/gpu_only.py raised ModuleNotFoundError: No module named "
+                                           "'no_such_gpu_lib' (gpu_only.py line 1); install that package where the "
+                                           "launcher runs (it imports your code to check it), or import it inside"),
     ("algorithm.reward", "plugins.py", "a file is given as 'path/to/file.py:name'"),
     ("algorithm.reward", "plugins.py:flow", "or verl form fn(data_source, solution_str, ground_truth, extra_info)"),
 ])
 def test_a_bad_file_plugin_stops_the_launch_naming_the_key_and_the_fix(plugins, key, value, message):
     (plugins / "broken.py").write_text("import os\n\nKEY = os.environ['OPENAI_API_KEY']\n")
     (plugins / "typo.py").write_text("async def flow(task, model, ctx)\n    return None\n")
+    (plugins / "gpu_only.py").write_text("import no_such_gpu_lib\n")
     text = rollout_error(key, value)
     assert text.startswith(f"{key}={value!r} is invalid: ")
     assert message.format(dir=plugins) in text

@@ -1,16 +1,19 @@
 """Property-based tests (Hypothesis) of read_taskset and TaskCursor: any mix of valid rows and
 garbage (bad JSON, invalid UTF-8, non-objects, missing keys, wrong types, empty or whitespace
 strings, NUL bytes, huge strings) keeps exactly the valid rows, in order, at their row positions,
-and counts every other row; only a file with no usable row raises, with examples. A cursor is
-deterministic for its seed and a resumed one draws exactly what the uninterrupted one would.
+and counts every other row; only a file with no usable row raises, with examples; shards cut from
+a file read as that file. A cursor is deterministic for its seed and a resumed one draws exactly
+what the uninterrupted one would.
 ContextFit (with the quickstart's one-token-per-character tokenizer) never passes on a row longer
 than the context: each is skipped or truncated from the left and counted per data.overlong, or
 (error) stops the run naming it."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import shutil
 import tempfile
 
 import pyarrow as pa
@@ -168,6 +171,53 @@ def test_parquet_keeps_rows_with_a_prompt_and_an_answer_and_counts_nulls_and_bla
                 if p is not None and p.strip() and a is not None and a.strip()]
     path = write(table, ".parquet")
     check_result(lambda: read(path, template), expected, len(cells), template)
+
+
+def write_shards(parts: list[bytes | pa.Table], ext: str) -> str:
+    """A folder of shards as the Hub names them (`train-00000-of-0000N<ext>`)."""
+    folder = tempfile.mkdtemp()
+    for i, part in enumerate(parts):
+        path = os.path.join(folder, f"train-{i:05d}-of-{len(parts):05d}{ext}")
+        if isinstance(part, pa.Table):
+            pq.write_table(part, path)
+        else:
+            with (gzip.open if ext.endswith(".gz") else open)(path, "wb") as f:
+                f.write(part)
+    return folder
+
+
+@FAST
+@given(lines=st.lists(st.one_of(garbage_line.map(lambda b: ("bad", b)), valid_line.map(lambda v: ("ok", v)),
+                                blank_line.map(lambda b: ("blank", b))), max_size=12),
+       cuts=st.lists(st.integers(0, 12), max_size=3), ext=st.sampled_from([".jsonl", ".jsonl.gz", ".parquet"]))
+def test_shards_give_exactly_the_tasks_and_counts_of_the_one_file_they_were_cut_from(lines, cuts, ext):
+    """However a split is cut into shards (empty ones too), it reads as the file of its rows."""
+    bounds = [0, *sorted(min(c, len(lines)) for c in cuts), len(lines)]
+    pieces = [lines[a:b] for a, b in zip(bounds, bounds[1:])]
+    if ext == ".parquet":  # a table of the valid rows' two columns: parquet has no bad JSON or blank lines
+        def table(part):
+            ok = [v[1] for kind, v in part if kind == "ok"]
+            return pa.table({PROMPT: pa.array([r[PROMPT] for r in ok], pa.string()),
+                             ANSWER: pa.array([str(r[ANSWER]) for r in ok], pa.string())})
+        whole, parts = write(table(lines), ".parquet"), [table(piece) for piece in pieces]
+    else:
+        def text(part):
+            return b"".join((v[0] if kind == "ok" else v) + b"\n" for kind, v in part)
+        whole, parts = write(text(lines), ".jsonl"), [text(piece) for piece in pieces]
+    folder = write_shards(parts, ext)
+    try:
+        try:
+            expected = read_taskset(whole, PROMPT, ANSWER)
+        except ValueError:
+            with pytest.raises(ValueError, match="no valid rows"):
+                read_taskset(folder, PROMPT, ANSWER)
+            return
+        got = read_taskset(folder, PROMPT, ANSWER)
+    finally:
+        os.unlink(whole)
+        shutil.rmtree(folder)
+    assert [(t, t.row) for t in got[0]] == [(t, t.row) for t in expected[0]]
+    assert (got[1].rows, got[1].skipped) == (expected[1].rows, expected[1].skipped)
 
 
 def tasks(n: int) -> list[Task]:

@@ -35,10 +35,12 @@ def gsm8k_dir() -> str:
 
 @pytest.fixture(scope="session")
 def quickstart_run(tmp_path_factory, worker_id) -> tuple[str, str]:
-    """The quickstart with shortened stages, on this machine: (run dir, launcher stdout). It exports
-    its model half way through SFT, at SFT's end (`exported_sft_model`) and at the run's end
-    (`exported_grpo_model`), so that tests of GRPO variants (LoRA, two engines on Slurm, the
-    presets) need no SFT warm-up of their own, and distillation has a student and a teacher.
+    """The quickstart with shortened stages, on this machine: (run dir, launcher stdout). It leaves
+    its model at SFT's end (`exported_sft_model`) and at the run's end (`exported_grpo_model`), so
+    that tests of GRPO variants (LoRA, two engines on Slurm, the presets) need no SFT warm-up of
+    their own, and distillation has a student and a teacher; it also exports HF checkpoints half way
+    through SFT, at its end and at the run's end (trainer.save_hf, for mode=bench's test) and
+    checkpoints at the last step (the final model's logprobs are checked against it).
 
     Under pytest-xdist (`-n 2`) each worker is a session of its own: the first to ask runs it under
     a file lock in the directory the workers share, the others wait for it and read its result."""
@@ -74,18 +76,14 @@ def exported_sft_model(quickstart_run) -> str:
     and one run's noise; after 300 it scored 78% (seed 0, AMD EPYC; 250 steps: 15-41% over seeds
     0-2). (The SFT learning rate is constant after its warm-up, so this is the model a full warm-up
     has half way.)"""
-    from rft.weights.engines import version_dir
-
-    return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS)
+    return os.path.join(quickstart_run[0], "models", "sft")  # the stage's final model (trainer.save_model)
 
 
 @pytest.fixture(scope="session")
 def exported_grpo_model(quickstart_run) -> str:
     """The quickstart's model at the run's end (its GRPO stage after the shortened warm-up: 93.5% on
     the held-out tasks, measured), as a HF directory: a teacher for distillation."""
-    from rft.weights.engines import version_dir
-
-    return version_dir(os.path.join(quickstart_run[0], "checkpoints", "hf"), QUICKSTART_SFT_STEPS + QUICKSTART_GRPO_STEPS)
+    return os.path.join(quickstart_run[0], "model")  # the run's final model (trainer.save_model)
 
 
 # The order the suite runs in, and what runs side by side under pytest-xdist (README: `-n 2`; pyproject's

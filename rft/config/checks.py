@@ -111,6 +111,7 @@ def validate(cfg: RFTConfig) -> None:
         config_error("cluster.trainer_ranks", cfg.cluster.trainer_ranks, "need at least 1 trainer rank")
     for key, value, least in (("trainer.save_interval", cfg.trainer.save_interval, 0),
                               ("trainer.keep_checkpoints", cfg.trainer.keep_checkpoints, 1),
+                              ("trainer.keep_hf_exports", cfg.trainer.keep_hf_exports, 0),
                               ("cluster.max_requeues", cfg.cluster.max_requeues, 0),
                               ("cluster.signal_delay_s", cfg.cluster.signal_delay_s, 0)):
         if value < least:

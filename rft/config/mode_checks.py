@@ -8,6 +8,7 @@ import os
 from rft.config.derived import needs_rollouts, stage_configs, sync_engine, vllm_lora_rank
 from rft.config.errors import config_error
 from rft.config.run import RFTConfig
+from rft.weights.hf_dir import run_models
 
 
 def check_serve(cfg: RFTConfig) -> None:
@@ -141,14 +142,15 @@ def check_decoupled(cfg: RFTConfig) -> None:
 def check_bench(cfg: RFTConfig) -> None:
     b = cfg.bench
     if not b.checkpoints and not b.run_dir:
-        config_error("bench.checkpoints", list(b.checkpoints), "mode=bench needs checkpoints: bench.checkpoints="
-                     "[dir1,dir2] (HF directories) or bench.run_dir=<a run with trainer.save_hf=true>")
+        config_error("bench.checkpoints", list(b.checkpoints), "mode=bench needs checkpoints: bench.run_dir=<a run's "
+                     "output dir> (the models it left) or bench.checkpoints=[dir1,dir2] (HF directories)")
     for path in b.checkpoints:
         if not os.path.isdir(path):
             config_error("bench.checkpoints", path, "no such directory (an HF model directory)")
-    if b.run_dir and not os.path.isdir(os.path.join(b.run_dir, "checkpoints", "hf")):
-        config_error("bench.run_dir", b.run_dir, "has no checkpoints/hf/: run it with trainer.save_hf=true "
-                     "and trainer.save_interval=N")
+    if b.run_dir and not run_models(b.run_dir):
+        config_error("bench.run_dir", b.run_dir, "holds no model: a run leaves one at each stage's end "
+                     "(<run>/models/<stage>, trainer.save_model); for one that stopped earlier, convert a "
+                     "checkpoint: python -m rft.export <run dir>")
     if not b.k or min(b.k) < 1:
         config_error("bench.k", list(b.k), "use a list of positive k, e.g. [1,4]")
     if cfg.data.eval_path is None:

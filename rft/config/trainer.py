@@ -37,7 +37,9 @@ class TrainerConfig:
     threads: int = 0  # torch CPU threads per rank (0: all cores, half with sync.offset > 0: roles overlap)
     save_interval: int = 0  # also checkpoint every N global steps, per stage if a stage sets it (0: by time and on Slurm's time-limit signal only)
     save_every_min: float = 30.0  # checkpoint when this many minutes passed since the last one (0: off)
-    save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads it)
+    save_model: bool = True  # at each stage's end an HF model directory <run>/models/<stage> (LoRA merged); <run>/model is the last
+    save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads them)
+    keep_hf_exports: int = 2  # the newest periodic HF exports (save_hf) kept (0: all); each stage's final model is always kept
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
     loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)

@@ -1,6 +1,6 @@
 """`mode=bench`: evaluate a list of checkpoints on the eval taskset with pass@k and mean@k.
 
-    for each checkpoint (HF directories, and/or every HF export a run saved):
+    for each checkpoint (HF directories, and/or the models a run left: its exports, each stage's final model):
         load its weights into one vLLM engine (no restart between checkpoints)
         sample n = max(k) responses per eval task, score them
         pass@k (unbiased estimator, Chen et al. 2021) and mean@k per k
@@ -18,24 +18,15 @@ import os
 import re
 
 from rft.config import RFTConfig
+from rft.weights.hf_dir import run_models
 
 _HF_EXPORT = re.compile(r"v(\d+)$")
-
-
-def run_checkpoints(run_dir: str) -> list[str]:
-    """The complete HF exports of a run (`trainer.save_hf`): <run>/checkpoints/hf/v<step>, oldest first."""
-    found = []
-    for path in glob.glob(os.path.join(run_dir, "checkpoints", "hf", "v*")):
-        m = _HF_EXPORT.search(path)
-        if m and os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-            found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found)]
 
 
 def bench_checkpoints(cfg: RFTConfig) -> list[str]:
     paths = list(cfg.bench.checkpoints)
     if cfg.bench.run_dir:
-        paths += run_checkpoints(cfg.bench.run_dir)
+        paths += run_models(cfg.bench.run_dir)
     return paths
 
 

@@ -161,7 +161,8 @@ def build_summary(run_dir: str, world_size: int, buffer_root: str | None = None)
             "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
-            "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
+            "engines_lost": trainer.get("engines_lost", {}),
+            "models": trainer.get("models", {}),  # stage -> its final model (HF directory; trainer.save_model)  # rank -> how it ended (on_engine_failure=continue)
             **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in _JUDGE_COUNTS}}
                if any("judge_calls" in r for r in rollouts) else {}),
             "failed_path": os.path.join(buffer_root or os.path.join(run_dir, "buffer"), "failed.jsonl"),
@@ -192,6 +193,16 @@ def _fmt(value: float | None, fraction: bool) -> str:
     return "-" if value is None else (f"{100 * value:.1f}%" if fraction else f"{value:.2f}")
 
 
+def print_models(models: dict[str, str]) -> None:
+    """Where each stage left its model; the last is also <run>/model."""
+    *earlier, (last_stage, last) = models.items()
+    run_dir = os.path.dirname(os.path.dirname(last))
+    console.print(f"model: {escape(os.path.join(run_dir, 'model'))} (stage {escape(last_stage)}; an HF directory: "
+                  "transformers, vLLM, mode=bench)", soft_wrap=True)
+    for stage, path in earlier:
+        console.print(f"       {escape(path)} (stage {escape(stage)})", soft_wrap=True)
+
+
 def print_summary(summary: dict) -> None:
     table = Table(title="rft run summary")
     for column in ("stage", "eval"):
@@ -220,6 +231,8 @@ def print_summary(summary: dict) -> None:
             share = seconds / summary["wall_s"] if summary["wall_s"] else 0.0
             split.add_row(role, part.removesuffix("_s").replace("_", " "), f"{seconds:.1f}", f"{100 * share:.0f}%")
     console.print(split)
+    if summary.get("models"):
+        print_models(summary["models"])
     if summary.get("peak_rss_gb"):
         console.print("peak memory: " + ", ".join(f"{role} rank {gb:.1f} GiB"
                                                   for role, gb in summary["peak_rss_gb"].items()))

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,7 +56,7 @@ class LoRA(torch.nn.Module):
         if unknown:
             raise ValueError(f"trainer.lora.target_modules: {unknown} are not LoRA targets; "
                              f"use some of {list(TARGETS)}")
-        self.rank, self.scale, self.dropout = rank, alpha / rank, dropout
+        self.rank, self.scale, self.dropout, self.geo = rank, alpha / rank, dropout, geo
         object.__setattr__(self, "model", model)  # beside the model, not a submodule: its state stays its own
         self.hooks: list = []
         tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
@@ -80,6 +81,31 @@ class LoRA(torch.nn.Module):
             self.adapters[key] = Adapter(a.to(weight.device).contiguous(), torch.zeros(out, rank, device=weight.device),
                                          column)
             self.layers[key] = module
+
+    def checkpoint_shards(self, prefix: str, loading: bool = False) -> dict[str, Any]:
+        """The adapters as layout-free checkpoint entries (rft/trainer/sharded_state.py), keyed by
+        their layer's name in the whole model and split as the layer splits them (a column layer's
+        B by rows, a row layer's A by columns; the other replicated over TP), so a LoRA stage
+        resumes into another TP x PP layout and `python -m rft.export` merges them in one process."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        from rft.trainer.hf_weights import global_names
+
+        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+        names = global_names(self.model, self.geo)
+        out: dict[str, Any] = {}
+        for key, adapter in self.adapters.items():
+            layer = names[key.replace("__", ".") + ".weight"].removesuffix(".weight")
+            # an expert's adapters are replicated over the expert-DP ranks, the others over DP
+            dp_rank = ps.get_expert_data_parallel_rank() if ".experts." in layer else ps.get_data_parallel_rank()
+            for which, split_axis in (("a", None if adapter.column else 1), ("b", 0 if adapter.column else None)):
+                tensor = getattr(adapter, which).data
+                offsets = [(split_axis, tp_rank, tp)] if split_axis is not None else []
+                out[f"adapters.{key}.{which}"] = ShardedTensor.from_rank_offsets(
+                    f"{prefix}{layer}.lora_{which}", tensor, *offsets,
+                    replica_id=(0 if split_axis is not None else tp_rank, dp_rank))
+        return out
 
     def attach(self) -> "LoRA":
         """Freeze the model and add the adapters' outputs to their layers'."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +34,7 @@ class WeightPublisher:
         # (expert-DP rank 0) join in, for the experts' all-gather
         self.exports = ps.get_data_parallel_rank() == 0 or ps.get_expert_data_parallel_rank() == 0
         self.wire = getattr(torch, wire_dtype(cfg))
+        self.model_dtype = getattr(torch, cfg.model.dtype)  # what exports hold
         self.sender = None
         self.cfg, self.topology, self.on_gpu = cfg, topology, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
@@ -97,9 +99,20 @@ class WeightPublisher:
         self.base_sent = True
         return table, itertools.chain(base, adapter)
 
-    def export_hf(self, model, step: int, root: str) -> None:
-        """Write the current weights as an HF checkpoint `<root>/v<step>` (the checkpoint engine's
-        writer; every export kept): what mode=bench evaluates."""
+    def export_hf(self, model, step: int, root: str, keep: int | None = None) -> None:
+        """Write the current weights as an HF checkpoint `<root>/v<step>`, keeping the newest `keep`
+        (None: all): what mode=bench evaluates (trainer.save_hf)."""
+        self._export(model, lambda writer, table, tensors: writer.send(table, tensors, step), root, keep)
+
+    def export_model(self, model, directory: str) -> None:
+        """Write the current weights as the HF model directory `directory` (a stage's final model)."""
+        self._export(model, lambda writer, table, tensors: writer.write(directory, table, tensors, 0),
+                     os.path.dirname(directory), None)
+
+    def _export(self, model, write, root: str, keep: int | None) -> None:
+        """An HF directory of the weights in the model's dtype (model.dtype, whatever travels to the
+        engines), with every file of the source model besides its weights; a collective over the
+        TP (and expert) ranks of DP replica 0, written by each pipeline stage's sender."""
         if not self.exports:
             return
         tensors = export_hf_weights(model, self.geo, self._deltas())
@@ -108,8 +121,8 @@ class WeightPublisher:
                 pass
             return
         writer = CheckpointSender(replace(self.layout, checkpoint_dir=root), self.stage, self.model_path,
-                                  keep_versions=None)
-        writer.send(hf_table(model, self.geo, self.wire), tensors, step)
+                                  keep_versions=keep)
+        write(writer, hf_table(model, self.geo, self.model_dtype), tensors)
 
     def _deltas(self) -> dict[str, torch.Tensor] | None:
         return self.adapters.delta_weights() if self.adapters is not None else None

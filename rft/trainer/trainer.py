@@ -48,6 +48,7 @@ from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.sharded_state import ShardedModel
 from rft.trainer.train_step import train_step
+from rft.weights.hf_dir import point_final_model_at, stage_model_dir
 
 STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
 STALE_TIS_CAP = 2.0  # buffer.stale=reweight's IS cap when algorithm.tis_cap is unset (the TIS paper's C)
@@ -80,6 +81,7 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
     publisher = runtime.state.track("publisher", WeightPublisher(cfg, topology, geo))
     add_checkpoint_hooks(cfg, topology, runtime, model, publisher)
     learner = Learner(cfg, topology, model, geo, runtime)
+    models: dict[str, str] = {}  # stage name -> its final model directory
     for stage in runtime.stages():
         learner.begin(stage)
         publisher.begin_stage(learner.lora, adapter_sync(stage.cfg))  # a LoRA stage sends W + B A, or A and B
@@ -108,8 +110,22 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                 runtime.show_progress(stage, step.global_step, scalars)
         learner.end()  # a LoRA stage's adapters are merged into the weights now
         publisher.begin_stage(None, False)
+        if stage.cfg.trainer.save_model:
+            models[stage.name] = save_stage_model(cfg, topology, runtime, publisher, model, stage)
     lost = lost_ranks(group.store, topology.engine_leaders) if topology.rank == 0 and topology.losable_ranks else {}
-    return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {})})
+    return runtime.finish({"role": "trainer", **({"engines_lost": lost} if lost else {}),
+                           **({"models": models} if models and topology.rank == 0 else {})})
+
+
+def save_stage_model(cfg: RFTConfig, topology: Topology, runtime: Runtime, publisher: WeightPublisher, model,
+                     stage: Stage) -> str:
+    """The stage's final weights as an HF model directory, <run>/models/<stage>, and <run>/model
+    pointed at it: what a finished run leaves for transformers, vLLM and mode=bench."""
+    directory = stage_model_dir(cfg.run.output_dir, [name for name, _ in runtime.stage_plan], stage.index)
+    publisher.export_model(model, directory)
+    if topology.rank == 0:
+        point_final_model_at(cfg.run.output_dir, directory)
+    return directory
 
 
 def present_engines(topology: Topology, group: ControlGroup) -> list[int] | None:
@@ -137,7 +153,8 @@ def add_checkpoint_hooks(cfg: RFTConfig, topology: Topology, runtime: Runtime, m
     complete, rank 0 prunes the old ones (trainer.keep_checkpoints)."""
     if cfg.trainer.save_hf:
         root = os.path.join(cfg.run.output_dir, "checkpoints", "hf")
-        runtime.save_hooks.append(lambda done: publisher.export_hf(model, done, root))
+        keep = cfg.trainer.keep_hf_exports or None
+        runtime.save_hooks.append(lambda done: publisher.export_hf(model, done, root, keep))
     if topology.rank == 0:
         runtime.saved_hooks.append(lambda done: prune(cfg.run.output_dir, runtime.group.members,
                                                       cfg.trainer.keep_checkpoints))

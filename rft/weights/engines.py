@@ -35,6 +35,7 @@ import torch.distributed as dist
 from rft.config import RFTConfig, sync_engine
 from rft.runtime.monitor import write_json_atomic
 from rft.runtime.topology import Topology
+from rft.weights.hf_dir import INDEX, copy_model_files
 from rft.weights.group import PeerTimeoutError, WeightGroup, open_store, open_weight_group
 from rft.weights.transfer import (
     LoadFn,
@@ -47,7 +48,9 @@ from rft.weights.transfer import (
 )
 
 ENGINES = ("gloo", "nccl", "checkpoint")
-INDEX = "model.safetensors.index.json"  # written last: a version directory is complete once it is there
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+FILE_MODE = 0o666 & ~_UMASK  # what open() would give a new file: a model a project's members can read
 
 
 @dataclass(frozen=True)
@@ -167,18 +170,24 @@ class CheckpointSender:
         self.layout = layout  # readers find the files whoever they are
 
     def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
-        from safetensors.torch import save_file
-
-        lay = self.layout
         if not self.sent_any and self.keep_versions is not None:
             # a sync's versions after this one are a crashed attempt's: the resumed run writes them anew
             self._drop(lambda v: v > version)
         self.sent_any = True
-        vdir = version_dir(lay.checkpoint_dir, version)
+        written = self.write(version_dir(self.layout.checkpoint_dir, version), table, tensors, version)
+        if self.stage == 0 and self.keep_versions is not None:
+            self._prune(version)
+        return written
+
+    def write(self, vdir: str, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
+        """This stage's tensors into the HF directory `vdir`, complete (its index written) once
+        every stage's are there. Returns the bytes written."""
+        from safetensors.torch import save_file
+
         os.makedirs(vdir, exist_ok=True)
         source = iter(tensors)
         weight_map, written = {}, 0
-        for k, indices in enumerate(plan_buckets(table, lay.bucket_bytes)):
+        for k, indices in enumerate(plan_buckets(table, self.layout.bucket_bytes)):
             bucket = {}
             for i in indices:
                 name, tensor = next(source)
@@ -186,19 +195,17 @@ class CheckpointSender:
                 bucket[name] = tensor.detach().to("cpu", dtype_from_name(table[i][2])).contiguous()
             fname = f"stage{self.stage}-{k:05d}.safetensors"
             save_file(bucket, os.path.join(vdir, fname + ".tmp"), metadata={"format": "pt"})
+            os.chmod(os.path.join(vdir, fname + ".tmp"), FILE_MODE)  # safetensors writes 0600: others could not read it
             os.replace(os.path.join(vdir, fname + ".tmp"), os.path.join(vdir, fname))
             weight_map.update({n: fname for n in bucket})
             written += sum(t.numel() * t.element_size() for t in bucket.values())
         if self.stage == 0 and self.hf_files_from:
-            for path in glob.glob(os.path.join(self.hf_files_from, "*.json")) + \
-                    glob.glob(os.path.join(self.hf_files_from, "*.txt")):
-                if not path.endswith(".index.json"):
-                    shutil.copy(path, vdir)
+            dtypes = {entry[2] for entry in table}  # "torch.bfloat16": what config.json should say the weights are
+            copy_model_files(self.hf_files_from, vdir,
+                             dtypes.pop().removeprefix("torch.") if len(dtypes) == 1 else None)
         write_json_atomic(os.path.join(vdir, f"stage{self.stage}.json"),
                            {"version": version, "table": table, "weight_map": weight_map})
         self._complete_if_last(vdir, version)
-        if self.stage == 0 and self.keep_versions is not None:
-            self._prune(version)
         return written
 
     def _complete_if_last(self, vdir: str, version: int) -> None:

@@ -103,3 +103,34 @@ def test_a_torn_shard_file_is_told_and_its_checkpoint_set_aside(killed_at_tp2, t
     assert resumed.returncode != 0
     assert "__1_0.distcp does not match the sha256 recorded when it was written" in said, said[-3000:]
     assert os.path.isdir(step_dir + ".corrupt") and not os.path.exists(step_dir)
+
+
+def test_rft_export_of_a_tp2_checkpoint_gives_the_runs_own_export(killed_at_tp2, tmp_path):
+    """`python -m rft.export` turns the TP=2 run's last checkpoint into an HF directory in one
+    process (TP=1): the same tensors, bit for bit, as the run's own export of that step (its final
+    model, <run>/model), and the same files beside them."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    whole, out = killed_at_tp2[0], tmp_path / "hf"
+    wrong = subprocess.run([sys.executable, "-m", "rft.export", whole, "--step", "5"], capture_output=True, text=True)
+    assert wrong.returncode == 2 and f"has no checkpoint of that step; it has [{SAVE_EVERY}, {STEPS}]" in wrong.stderr
+    done = subprocess.run([sys.executable, "-m", "rft.export", whole, "--step", str(STEPS), "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"rft.export: checkpoint step {STEPS} (stage main; trainer_ranks=2) of {whole}" in done.stdout
+    assert not done.stderr.strip(), done.stderr[-2000:]  # no third-party warnings on the user's terminal
+
+    def tensors(directory) -> dict:
+        found = {}
+        for name in os.listdir(directory):
+            if name.endswith(".safetensors"):
+                found.update(load_file(os.path.join(directory, name)))
+        return found
+
+    own, converted = tensors(os.path.join(whole, "model")), tensors(out)
+    assert sorted(own) == sorted(converted)
+    assert all(own[name].equal(converted[name]) for name in own)
+    assert set(os.listdir(os.path.join(whole, "model"))) == set(os.listdir(out))

@@ -66,7 +66,7 @@ def test_serve_mode_turns_sessions_into_shards_and_follows_published_weights(tmp
         first = _wait_for("the first session's shard", lambda: _shards(run_dir), launcher)
         assert [(s["producer"], s["step"], s["rows"], s["version"]) for s in first] == [(0, 0, 1, 0)]
 
-        _publish_version(run_dir / "model", checkpoint_dir, 1)
+        _publish_version(run_dir / "initial_model", checkpoint_dir, 1)
         log = next((run_dir / "logs").glob("*_0_log.out"))
         _wait_for("the new weights", lambda: "serving weights version 1" in log.read_text(), launcher)
         after = session("second")

@@ -140,7 +140,7 @@ LAYERS = (
     # run by the launcher: they read every registry
     ("rft.config.checks", "rft.config.plugin_checks", "rft.config.judge_checks", "rft.config.layout_checks",
      "rft.config.mode_checks"),
-    ("rft.launch", "rft.plot", "rft.doctor"),  # the login node: launching, following, drawing a run; checking a node
+    ("rft.launch", "rft.plot", "rft.doctor", "rft.export"),  # the login node: launching, following, drawing a run; checking a node; converting a checkpoint
 )
 
 

@@ -1,0 +1,1 @@
+"""`python -m rft.export`: a run's sharded checkpoint as an HF model directory (rft/export/convert.py)."""

@@ -68,18 +68,18 @@ def _kind(path: str) -> str | None:
     return None
 
 
-def _split_name(path: str, root: str) -> str:
+def _split_name(path: str) -> str:
     """A data file's split, as the Hub names it: the file's name less its shard number
     (`train-00000-of-00002.parquet`, `test.jsonl`), or for a bare shard number (`train/0000.parquet`)
     its folder's name."""
     name = os.path.basename(path)
-    stem = name[: len(name) - len(next(e for e in DATA_EXTENSIONS if name.lower().endswith(e)))]
-    stem = _SHARD_SUFFIX.sub("", stem)
-    if stem and not stem.isdigit():
-        return stem
-    folder = os.path.dirname(path)
-    return os.path.basename(folder) if os.path.abspath(folder) != os.path.abspath(root) else os.path.basename(
-        os.path.abspath(root))
+    stem = _SHARD_SUFFIX.sub("", name[: len(name) - len(next(e for e in DATA_EXTENSIONS if name.lower().endswith(e)))])
+    return stem if stem and not stem.isdigit() else os.path.basename(os.path.dirname(os.path.abspath(path)))
+
+
+def _glob(path: str) -> list[str]:
+    """What `path` matches as a glob (`**` spans folders); nothing if it has no wildcard."""
+    return glob.glob(path, recursive=True) if any(c in path for c in "*?[") else []
 
 
 def _saved_dataset(folder: str) -> tuple[str, list[Shard]]:
@@ -110,7 +110,7 @@ def _data_files(paths: list[str], root: str) -> dict[str, list[Shard]]:
         kind = _kind(path)
         if kind is None or not os.path.isfile(path) or os.path.basename(path) in _METADATA:
             continue
-        split = _split_name(path, root)
+        split = _split_name(path)
         splits.setdefault(split, []).append(Shard(path, kind))
         folder = os.path.dirname(os.path.relpath(path, root))
         if os.path.basename(folder) == split:  # `train/0000.parquet`: the split's own folder
@@ -149,11 +149,6 @@ def _splits(path: str) -> dict[str, list[Shard]]:
         raise ValueError(f"{what} holds no taskset files (looked for {', '.join(DATA_EXTENSIONS)}, "
                          "or a `datasets` save_to_disk folder)")
     return found
-
-
-def _glob(path: str) -> list[str]:
-    """What `path` matches as a glob (`**` spans folders); nothing if it has no wildcard."""
-    return glob.glob(path, recursive=True) if any(c in path for c in "*?[") else []
 
 
 def resolve(spec: str) -> Source:

@@ -39,13 +39,15 @@ class Task:
     a task can be traced back to its source line (line number = index + 1 for jsonl)."""
 
     index: int
-    prompt: str | None  # the prompt after data.prompt_template (a messages prompt: its last user turn); None if the row has none
+    prompt: str | None  # the prompt text after data.prompt_template (messages: the last user turn); None: the row has none
     answer: str | None  # the reference answer; for preference data (DPO) the chosen response
     rejected: str | None = None  # preference data: the rejected response
     row: dict[str, Any] = field(default_factory=dict, compare=False)  # every column of the source row
     id: str = field(default="", compare=False)  # data.id_key's value, else the row index
-    system: str | None = None  # the system prompt sent first: the prompt's own system turn, else data.system_key's column, else data.system_prompt
-    history: tuple[Message, ...] = field(default=(), hash=False)  # a messages prompt's turns between its system turn and its last user turn
+    # the system prompt sent first: a messages prompt's own system turn, else data.system_key's column,
+    # else data.system_prompt
+    system: str | None = None
+    history: tuple[Message, ...] = field(default=(), hash=False)  # a messages prompt's turns before its last user turn
 
     @property
     def task_id(self) -> str:

@@ -157,7 +157,8 @@ def test_dotted_keys_for_preference_pairs_messages_and_list_items(tmp_path):
     convo = {"data": {"turns": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}}
     (task,), _ = read_taskset(write_jsonl(tmp_path / "m.jsonl", [convo]), "q", "a", messages_key="data.turns")
     assert task.prompt is None
-    (task,), _ = read_taskset(write_jsonl(tmp_path / "l.jsonl", [verl_row(5)]), "prompt.0.content", "reward_model.ground_truth")
+    (task,), _ = read_taskset(write_jsonl(tmp_path / "l.jsonl", [verl_row(5)]), "prompt.0.content",
+                              "reward_model.ground_truth")
     assert task.prompt == "5 + 5 = ?"
 
 
@@ -206,7 +207,8 @@ def test_shards_in_the_hub_layout_give_the_rows_of_the_single_file(tmp_path):
     (hub / "README.md").write_text("---\nconfigs: ...\n---\n")
     sharded = read_verl(f"{hub}@train")
     assert _summary(sharded[0]) == _summary(whole[0]) and sharded[1].skipped == whole[1].skipped == 1
-    assert sharded[1].skipped_examples == ["train-00001-of-00002.parquet row 1: prompt 'prompt' is an empty list of messages"]
+    assert sharded[1].skipped_examples == [
+        "train-00001-of-00002.parquet row 1: prompt 'prompt' is an empty list of messages"]
     assert [t.index for t in read_verl(f"{hub}@test")[0]] == [0]
     # a split per folder (the Hub's parquet conversion), and a glob
     for i, part in enumerate((rows[:3], rows[3:])):
@@ -216,12 +218,14 @@ def test_shards_in_the_hub_layout_give_the_rows_of_the_single_file(tmp_path):
 
 
 def test_jsonl_shards_count_lines_as_the_concatenated_file_would(tmp_path):
-    lines = [json.dumps({"q": "a", "a": 1}), "", "{bad", json.dumps({"q": "b", "a": 2}), "", json.dumps({"q": "c", "a": 3})]
+    lines = [json.dumps({"q": "a", "a": 1}), "", "{bad", json.dumps({"q": "b", "a": 2}), "",
+             json.dumps({"q": "c", "a": 3})]
     (tmp_path / "whole.jsonl").write_text("\n".join(lines) + "\n")
     (tmp_path / "parts").mkdir()
     (tmp_path / "parts" / "part-0.jsonl").write_text("\n".join(lines[:2]) + "\n")
     (tmp_path / "parts" / "part-1.jsonl").write_text("\n".join(lines[2:]) + "\n")
-    whole, sharded = read_taskset(str(tmp_path / "whole.jsonl"), "q", "a"), read_taskset(str(tmp_path / "parts"), "q", "a")
+    whole = read_taskset(str(tmp_path / "whole.jsonl"), "q", "a")
+    sharded = read_taskset(str(tmp_path / "parts"), "q", "a")
     assert whole[0] == sharded[0] and [t.index for t in whole[0]] == [0, 3, 5]
     assert sharded[1].skipped_examples == ["part-1.jsonl line 1: invalid JSON (JSONDecodeError: Expecting property "
                                            "name enclosed in double quotes: line 1 column 2 (char 1))"]
@@ -257,7 +261,8 @@ def test_a_folder_written_by_datasets_itself(tmp_path):
     rows = [verl_row(i) for i in range(5)]
     datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
                           "test": datasets.Dataset.from_list(rows).select([1, 3])}).save_to_disk(str(tmp_path / "dd"))
-    assert _summary(read_verl(f"{tmp_path / 'dd'}@train")[0]) == _summary(read_verl(write_parquet(tmp_path / "w.parquet", rows))[0])
+    whole = read_verl(write_parquet(tmp_path / "w.parquet", rows))[0]
+    assert _summary(read_verl(f"{tmp_path / 'dd'}@train")[0]) == _summary(whole)
     assert [t.id for t in read_verl(f"{tmp_path / 'dd'}@test")[0]] == ["1", "3"]
 
 

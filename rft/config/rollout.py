@@ -66,6 +66,6 @@ class ServeConfig:
 @dataclass
 class BenchConfig:
     checkpoints: list[str] = field(default_factory=list)  # HF model directories to evaluate, in order
-    run_dir: Optional[str] = None  # also every HF export of this run (<run>/checkpoints/hf/v*, trainer.save_hf)
+    run_dir: Optional[str] = None  # also the models this run left: its HF exports (<run>/checkpoints/hf/v*), then each stage's (<run>/models/<stage>)
     k: list[int] = field(default_factory=lambda: [1, 4])  # pass@k and mean@k for these k (n = max k samples)
     temperature: float = 1.0  # sampling temperature of the bench samples

@@ -54,7 +54,7 @@ class AlgorithmConfig:
     kl_mode: str = "loss"  # loss: a loss term | reward: a per-token reward penalty (reinforce_pp, gae)
     entropy_coef: float = 0.0  # entropy bonus weight
     dpo_beta: float = 0.1  # DPO: strength of the implicit KL to the reference (policy_loss=dpo, mode=train)
-    reward: str = "exact_match"  # exact_match | math_verify | llm_judge, relative_judge (ask the judge engines) | dotted path
+    reward: str = "exact_match"  # exact_match | math_verify | llm_judge, relative_judge (ask the judge engines) | your function: file.py:fn or a dotted path (verl's compute_score signature accepted)
     ppo_epochs: int = 1  # passes over each rollout batch (old logprobs, advantages fixed for the batch)
     mini_batch_size: int = 0  # rows per optimizer step (0: the whole batch); steps = ppo_epochs x ceil(rows / this)
     lr: float = 1e-5  # AdamW learning rate

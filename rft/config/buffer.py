@@ -12,7 +12,7 @@ class ReplayConfig:
     """Experience trained on again (rft/buffer/replay.py). Off by default (groups_per_step 0)."""
 
     groups_per_step: int = 0  # groups of earlier steps added to each step's batch (0: no replay)
-    priority: str = "age"  # age | reward_std | dotted path fn(entry, step, config) -> float (0: not eligible)
+    priority: str = "age"  # age | reward_std | file.py:fn or dotted path to fn(entry, step, config) -> float (0: not eligible)
     half_life: float = 4.0  # age, reward_std: priority halves every this many steps of age
     max_uses: int = 1  # times one group may be trained again
     cooldown: int = 1  # steps between two trainings of one group

@@ -29,7 +29,7 @@ DIFFICULTY_WEIGHTINGS = ("gaussian", "variance")  # data.selector.weighting (rft
 class SelectorConfig:
     """Which tasks each rollout step explores (rft/data/selectors.py)."""
 
-    name: str = "shuffle"  # shuffle | sequential | curriculum | difficulty | dotted path to a selector class
+    name: str = "shuffle"  # shuffle | sequential | curriculum | difficulty | a selector class: file.py:Class or a dotted path
     difficulty_key: str = "difficulty"  # curriculum: the column ranking tasks, low = easy
     start_fraction: float = 0.25  # curriculum: share of the easiest tasks open at the first batch
     pace_steps: int = 50  # curriculum: batches after which every task is open

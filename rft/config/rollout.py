@@ -25,8 +25,8 @@ class RolloutConfig:
     max_num_seqs: int = 256  # vLLM scheduler batch limit
     reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
     max_sampling_rounds: int = 3  # dynamic sampling (algorithm.sample_filter): generation rounds per step
-    workflow: str = "single_turn"  # single_turn | multi_turn | step_wise | dotted path (rft/explorer/workflows/)
-    env: Optional[str] = None  # multi_turn/step_wise: grid_world | calculator | dotted path to a Gymnasium Env class
+    workflow: str = "single_turn"  # single_turn | multi_turn | step_wise | your workflow: file.py:fn or a dotted path (rft/explorer/workflows/)
+    env: Optional[str] = None  # multi_turn/step_wise: grid_world | calculator | a Gymnasium Env class: file.py:Class or a dotted path
     env_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of the environment's constructor
     max_turns: int = 8  # multi_turn/step_wise: model turns per episode
     max_concurrent_tasks: int = 256  # trajectories in flight at once (a workflow waiting on a tool holds one)

@@ -1,10 +1,13 @@
 """A shortened quickstart (same model, data and stages, fewer steps) must still learn, judged from
 its TensorBoard event files; and every scalar the monitor promises is there. GRPO with LoRA
-adapters (synced to vLLM as adapters) from the same SFT warm-up must learn too: the run exports its
-SFT'd model, so that run needs no warm-up of its own."""
+adapters (synced to vLLM as adapters) from the same SFT warm-up must learn too: the run leaves its
+SFT'd model, so that run needs no warm-up of its own; its last checkpoint, adapters and all,
+converts (`python -m rft.export`) to the model the stage's end wrote."""
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -60,7 +63,7 @@ def test_lora_grpo_from_the_sft_warm_up_learns(exported_sft_model, tmp_path):
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null", f"model.path={exported_sft_model}",
                     "sync.lora=adapter",
                     "stages=[{name: grpo, algorithm: {name: grpo, lr: 2.0e-3, clip_eps: 0.2}, "
-                    f"trainer: {{max_steps: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]")
+                    f"trainer: {{max_steps: {GRPO_STEPS}, save_interval: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     by_step = _accuracy_by_step(run_dir)
     start, end = by_step[0][0], by_step[GRPO_STEPS][-1]
@@ -69,3 +72,22 @@ def test_lora_grpo_from_the_sft_warm_up_learns(exported_sft_model, tmp_path):
     mb = [v for _, v in sorted(tensorboard_scalars(run_dir)["sync/mb"])]
     assert mb[-1] < mb[0] / 5  # after the stage's base weights, each sync carries the adapters alone
     assert not os.listdir(os.path.join(run_dir, "adapters", "engine0"))[1:]  # older versions pruned
+    # the checkpoint at the stage's last step holds the adapters beside the frozen weights; rft.export
+    # merges them as the stage's end did: the same tensors as the run's final model
+    out = os.path.join(run_dir, "exported")
+    done = subprocess.run([sys.executable, "-m", "rft.export", run_dir, "--out", out], capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"rft.export: checkpoint step {GRPO_STEPS} (stage grpo; trainer_ranks=1)" in done.stdout
+    own, merged = _tensors(os.path.join(run_dir, "model")), _tensors(out)
+    assert sorted(own) == sorted(merged) and all(own[name].equal(merged[name]) for name in own)
+
+
+def _tensors(directory: str) -> dict:
+    from safetensors.torch import load_file
+
+    found = {}
+    for name in os.listdir(directory):
+        if name.endswith(".safetensors"):
+            found.update(load_file(os.path.join(directory, name)))
+    return found

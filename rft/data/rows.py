@@ -44,11 +44,15 @@ def lookup(row: dict, key: str) -> Any:
 
 
 def has_key(row: dict, key: str) -> bool:
+    return get(row, key, MissingKey) is not MissingKey
+
+
+def get(row: dict, key: str, default: Any = None) -> Any:
+    """`lookup`, or `default` where the row has no such key."""
     try:
-        lookup(row, key)
+        return lookup(row, key)
     except MissingKey:
-        return False
-    return True
+        return default
 
 
 def text_field(row: dict, key: str, what: str = "answer") -> str:
@@ -88,12 +92,7 @@ def prompt_messages(value: Any, key: str) -> list[Message]:
 def system_prompt(row: dict, key: str | None, default: str | None) -> str | None:
     """The row's system prompt: its `key` column (`data.system_key`) unless missing, null or blank,
     else `default` (`data.system_prompt`)."""
-    if key is None:
-        return default
-    try:
-        value = lookup(row, key)
-    except MissingKey:
-        return default
+    value = get(row, key) if key is not None else None
     if value is None or (isinstance(value, str) and not value.strip()):
         return default
     if not isinstance(value, str):

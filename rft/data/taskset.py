@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rft.data import sources
-from rft.data.rows import Message, MissingKey, has_key, lookup, prompt_messages, system_prompt, text_field
+from rft.data.rows import Message, MissingKey, get, has_key, lookup, prompt_messages, system_prompt, text_field
 
 _MAX_EXAMPLES = 5  # skipped-row messages kept in a report; the count is always exact
 
@@ -133,7 +133,7 @@ def _row_to_task(index: int, obj: Any, keys: RowKeys) -> Task | str:
             if key is not None:
                 lookup(obj, key)  # MissingKey names the key
         prompt, system, history = None, None, ()
-        if "prompt" in required or (has_key(obj, keys.prompt) and lookup(obj, keys.prompt) is not None):
+        if "prompt" in required or get(obj, keys.prompt) is not None:
             prompt, system, history = _prompt(obj, keys)
         if system is None:  # a messages prompt's own system turn wins over the column and the setting
             system = system_prompt(obj, keys.system, keys.system_prompt)
@@ -141,10 +141,9 @@ def _row_to_task(index: int, obj: Any, keys: RowKeys) -> Task | str:
         rejected = text_field(obj, keys.rejected) if keys.rejected is not None else None
     except (MissingKey, ValueError) as err:
         return str(err)
-    task_id = ""
-    if keys.id is not None and has_key(obj, keys.id) and lookup(obj, keys.id) is not None:
-        task_id = str(lookup(obj, keys.id))
-    return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj, id=task_id,
+    task_id = get(obj, keys.id) if keys.id is not None else None  # optional: the row index stands in
+    return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj,
+                id="" if task_id is None else str(task_id),
                 system=system, history=history)
 
 

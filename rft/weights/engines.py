@@ -220,7 +220,13 @@ class CheckpointSender:
                            {"metadata": {"rft_version": version}, "weight_map": weight_map})
 
     def _prune(self, version: int) -> None:
-        self._drop(lambda v: v <= version - self.keep_versions)
+        """Keep the newest `keep_versions` versions up to `version`: by count, not by number, since
+        versions skip (sync.interval > 1, exports every save_interval steps)."""
+        kept = sorted((v for v in self._versions() if v <= version), reverse=True)[:self.keep_versions]
+        self._drop(lambda v: v < min(kept, default=version))
+
+    def _versions(self) -> list[int]:
+        return [int(os.path.basename(path)[1:]) for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*"))]
 
     def _drop(self, which) -> None:
         for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*")):

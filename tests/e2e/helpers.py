@@ -18,17 +18,19 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS = 300, 40
 
 
-def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def launch(*overrides: str, timeout: int = 1200, env: dict[str, str] | None = None,
+           cwd: str = REPO) -> subprocess.CompletedProcess:
     """`python -m rft.launch`; on this machine (cluster=local) unless an override names a cluster,
     since `cluster=auto` would pick the test Slurm when tests/slurm has started one. `env`: the
-    launcher's environment (default: this process's), e.g. another Slurm's SLURM_CONF."""
+    launcher's environment (default: this process's), e.g. another Slurm's SLURM_CONF; `cwd`: where
+    it is launched from (the repository's root by default)."""
     if not any(o.startswith("cluster=") for o in overrides):
         overrides = ("cluster=local", *overrides)
     if not any(o.startswith("monitor.plots=") for o in overrides):
         # drawing costs a launch about 3 s (matplotlib); the tests of plots ask for them
         overrides = (*overrides, "monitor.plots=false")
     args = [sys.executable, "-m", "rft.launch", *overrides, "monitor.progress=false"]
-    launcher = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    launcher = subprocess.Popen(args, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = launcher.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:

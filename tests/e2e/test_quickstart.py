@@ -6,12 +6,13 @@ converts (`python -m rft.export`) to the model the stage's end wrote."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch, tensorboard_scalars
+from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, REPO, launch, tensorboard_scalars
 
 REQUIRED_SCALARS = [
     "reward/mean", "reward/std", "response_length/mean", "loss/policy", "loss/kl", "actor/entropy",
@@ -57,14 +58,39 @@ def _accuracy_by_step(run_dir: str) -> dict[int, list[float]]:
     return by_step
 
 
+def _as_verl_parquet(rows_jsonl: str, parquet: str) -> None:
+    """The quickstart's arithmetic rows in verl's RL layout: the prompt as chat messages, the answer
+    at reward_model.ground_truth, data_source and extra_info beside them."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open(rows_jsonl) as f:
+        rows = [json.loads(line) for line in f]
+    pq.write_table(pa.Table.from_pylist([
+        {"data_source": "arithmetic", "prompt": [{"role": "user", "content": row["question"]}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": row["answer"]}, "extra_info": {"index": i, "split": "x"}}
+        for i, row in enumerate(rows)]), parquet)
+
+
 @pytest.mark.slow
-def test_lora_grpo_from_the_sft_warm_up_learns(exported_sft_model, tmp_path):
+def test_lora_grpo_from_the_sft_warm_up_learns(quickstart_run, exported_sft_model, tmp_path):
+    """Also a user's data and reward as other frameworks keep them: the same tasks in verl's parquet
+    layout (`+data=verl`), scored by a verl-style compute_score given as a file beside the launch
+    (docs/examples/verl_reward.py), with no PYTHONPATH set."""
     run_dir = str(tmp_path / "lora")
+    for split, source in (("train", "train.jsonl"), ("test", "eval.jsonl")):
+        _as_verl_parquet(os.path.join(quickstart_run[0], "data", source), str(tmp_path / f"{split}.parquet"))
+    shutil.copy(os.path.join(REPO, "docs", "examples", "verl_reward.py"), tmp_path / "my_reward.py")
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "model.tiny=null", f"model.path={exported_sft_model}",
+                    "data.arithmetic=null", "+data=verl", f"data.train_path={tmp_path}/train.parquet",
+                    f"data.eval_path={tmp_path}/test.parquet", "algorithm.reward=my_reward.py:compute_score",
                     "sync.lora=adapter",
                     "stages=[{name: grpo, algorithm: {name: grpo, lr: 2.0e-3, clip_eps: 0.2}, "
-                    f"trainer: {{max_steps: {GRPO_STEPS}, save_interval: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]")
+                    f"trainer: {{max_steps: {GRPO_STEPS}, save_interval: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]",
+                    cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the reward's other numbers are logged beside its score (rollout/<key>)
+    assert "rollout/answered" in tensorboard_scalars(run_dir)
     by_step = _accuracy_by_step(run_dir)
     start, end = by_step[0][0], by_step[GRPO_STEPS][-1]
     assert start >= 0.15, f"the exported SFT model scores only {start:.2f}"

@@ -161,8 +161,8 @@ def build_summary(run_dir: str, world_size: int, buffer_root: str | None = None)
             "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
-            "engines_lost": trainer.get("engines_lost", {}),
-            "models": trainer.get("models", {}),  # stage -> its final model (HF directory; trainer.save_model)  # rank -> how it ended (on_engine_failure=continue)
+            "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
+            "models": trainer.get("models", {}),  # stage -> its final model (an HF directory; trainer.save_model)
             **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in _JUDGE_COUNTS}}
                if any("judge_calls" in r for r in rollouts) else {}),
             "failed_path": os.path.join(buffer_root or os.path.join(run_dir, "buffer"), "failed.jsonl"),

@@ -8,6 +8,7 @@
             vote at the step's control point            # stop? checkpoint? (rft/runtime/control.py)
             publish the weights if the schedule says so # rft/runtime/schedule.py; free-running: offered
                                                         # to the explorer, which takes them when it can
+        the stage's model as an HF directory            # <run>/models/<stage>, <run>/model (trainer.save_model)
 """
 
 from __future__ import annotations

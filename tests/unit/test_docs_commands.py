@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from rft.config import register_configs
 from rft.config.checks import validate
+from rft.weights.hf_dir import INDEX
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = os.path.join(REPO, "tests", "unit", "golden", "model_configs")
@@ -94,6 +95,9 @@ def _overrides(command: str, root: str) -> list[str] | None:
                 file = os.path.join(folder, f"{split}.jsonl") if at else value
                 os.makedirs(os.path.dirname(file), exist_ok=True)
                 open(file, "w").write(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
+            elif bare == "bench.run_dir":  # a finished run: the model its last stage left
+                os.makedirs(os.path.join(value, "models", "grpo"), exist_ok=True)
+                open(os.path.join(value, "models", "grpo", INDEX), "w").write("{}")
         overrides.append(f"{key}={value}")
     if not any(o.startswith("+experiment=") for o in overrides):
         overrides.insert(0, "+experiment=quickstart")

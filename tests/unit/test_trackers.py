@@ -6,6 +6,7 @@ nothing else; and the checks at launch."""
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -89,7 +90,7 @@ def test_every_tracker_gets_every_scalar_once_and_a_resumed_rank_goes_on_in_the_
 
     ids = json.loads((tmp_path / "metrics" / "trainer0.trackers.json").read_text())
     assert ids["wandb"] == wandb_id
-    rows = history(str(tmp_path), wandb_id)  # both attempts' offline files, as `wandb sync` uploads them
+    rows = written_history(str(tmp_path), wandb_id, 6)  # both attempts' offline files, as `wandb sync` uploads them
     assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert rows[3] == {"_step": 4, **STEPS[3]}
 
@@ -182,6 +183,18 @@ def test_the_launcher_refuses_an_unknown_tracker_before_anything_runs(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def written_history(wandb_dir: str, run_id: str, rows: int, timeout_s: float = 60.0) -> list[dict]:
+    """The offline run's history once W&B's service has written `rows` rows (or what it holds after
+    `timeout_s`): `finish()` returns before its service process has flushed the file, and on a loaded
+    machine (CI's 2 cores) the read came first and found none."""
+    deadline = time.time() + timeout_s
+    found = history(wandb_dir, run_id)
+    while len(found) < rows and time.time() < deadline:
+        time.sleep(0.2)
+        found = history(wandb_dir, run_id)
+    return found
+
+
 def test_steps_a_killed_rank_never_wrote_to_wandb_are_logged_again_from_the_jsonl(tmp_path):
     """W&B's service writes behind the run: a rank killed -9 can lose steps from before its
     checkpoint, which the resumed rank does not compute again. Simulated at its worst: the first
@@ -198,5 +211,5 @@ def test_steps_a_killed_rank_never_wrote_to_wandb_are_logged_again_from_the_json
     second = Monitor(cfg, "trainer0", resume_step=4)
     _log(second, range(4, 7))
     second.close()
-    rows = history(str(tmp_path), run_id)
+    rows = written_history(str(tmp_path), run_id, 6)
     assert [r["_step"] for r in rows] == [1, 2, 3, 4, 5, 6] and rows[0] == {"_step": 1, **STEPS[0]}

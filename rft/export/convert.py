@@ -47,9 +47,8 @@ class Checkpoint:
 
 
 def run_config(run_dir: str) -> RFTConfig:
+    """The run's config as its ranks got it (<run>/config.yaml), typed."""
     from omegaconf import OmegaConf
-
-    from rft.config import RFTConfig
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):

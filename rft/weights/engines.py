@@ -229,9 +229,9 @@ class CheckpointSender:
         return [int(os.path.basename(path)[1:]) for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*"))]
 
     def _drop(self, which) -> None:
-        for path in glob.glob(os.path.join(self.layout.checkpoint_dir, "v[0-9]*")):
-            if which(int(os.path.basename(path)[1:])):
-                shutil.rmtree(path, ignore_errors=True)
+        for version in self._versions():
+            if which(version):
+                shutil.rmtree(version_dir(self.layout.checkpoint_dir, version), ignore_errors=True)
 
 
 class CheckpointReceiver:

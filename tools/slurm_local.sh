@@ -52,13 +52,19 @@ if [ "$NODES" -gt 1 ]; then
     CPUS=${RFT_SLURM_CPUS:-$(( $(nproc) / NODES > 4 ? $(nproc) / NODES : 4 ))}
 fi
 
+installed() {
+    command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v ip >/dev/null \
+        && { [ "$ACCOUNTING" != 1 ] || { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; }; }
+}
+
 install() {
     local want="slurm-wlm iproute2"  # iproute2: `ip`, for the nodes of RFT_SLURM_NODES > 1
     if [ "$ACCOUNTING" = 1 ]; then want="$want slurmdbd mariadb-server"; fi
-    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v ip >/dev/null \
-        && { [ "$ACCOUNTING" != 1 ] || { command -v slurmdbd >/dev/null && command -v mariadbd >/dev/null; }; }; then
-        return
-    fi
+    # one install at a time: two test workers start Slurm instances of their own side by side, and a
+    # second apt-get fails on dpkg's lock instead of waiting for it (or starts a half-installed Slurm)
+    exec 9>"${TMPDIR:-/tmp}/rft-slurm-install.lock"
+    flock 9
+    if installed; then return; fi
     export DEBIAN_FRONTEND=noninteractive
     # shellcheck disable=SC2086
     apt-get install -y -q $want >/dev/null 2>&1 || { apt-get update -q >/dev/null && apt-get install -y -q $want >/dev/null; }

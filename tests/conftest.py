@@ -92,32 +92,33 @@ def exported_grpo_model(quickstart_run) -> str:
 # kept 1.2 cores busy, tests/unit 0.9, tests/dist 1.5, where a local launch's ranks keep about 1.6 busy (CPU seconds
 # over wall seconds, each folder run alone, 2-core AMD EPYC, 2026-11-29). Dealing each file to whichever
 # worker was free (xdist's own loadfile) put two launches side by side: 107 min, as long as one after
-# another, with timing bounds missed under the doubled load. So the first worker runs the tests of the
-# session's Slurm and then the launches of tests/e2e one after another; the second runs the files of
-# _BESIDE_SLURM in the meantime.
+# another, with timing bounds missed under the doubled load. So the first worker runs the Slurm
+# instances' tests and then the launches of tests/e2e one after another; the second runs the files of
+# _BESIDE_SLURM in the meantime. (Moving the two-node Slurm's tests to the second worker, which idles
+# at the end, made the suite no shorter: 59 min of pytest against 60, with the e2e files at 3115 s
+# against 1965 beside it and the two-node run's 30 s sync timeout missed under the load; 2026-11-29.)
 _FOLDER_ORDER = ("tests/slurm", "tests/e2e", "tests/dist", "tests/unit")
 # Each Slurm instance's tests are one unit of work on one worker: an instance listens on fixed ports and is
-# started and stopped by a fixture of the worker's session. The two-node instance (`two_nodes`, ports of
-# its own) is another unit than the session's single node (`slurm`, and `gpu_slurm_env` beside it).
+# started and stopped by a fixture of the worker's session or module. The session's single node (`slurm`,
+# and `gpu_slurm_env` beside it) is one unit; each instance named here, on ports of its own, is another.
 _ONE_UNIT = "tests/slurm/"
-_TWO_NODES = ("tests/slurm/test_multinode.py", "tests/slurm/test_slurm_requeue.py")
-_TWO_NODES_UNIT = "tests/slurm/two_nodes"
-# The second worker's files: tests/unit, the two-node Slurm's tests, tests/dist, then e2e files without
-# timing bounds: the doctor, the GPU-list launch, the SmolLM2 conversion, the resharded resumes and
-# rft.export, the final model's checks and mode=bench (these two on the shared quickstart run). In the
-# fresh-clone run of 2026-11-29, with the two-node tests on the first worker, the second worker was done
-# after about 1390 s, tests/slurm after 1811 s (of which the two-node files 897 s), and the first worker then
-# ran the other e2e files alone for 1759 s (65 min in all with install)
-_BESIDE_ORDER = ("tests/unit/", _TWO_NODES_UNIT, "tests/dist/", "tests/e2e/")
-_BESIDE_SLURM = ("tests/unit/", _TWO_NODES_UNIT, "tests/dist/", "tests/e2e/test_doctor.py",
-                 "tests/e2e/test_local_gpus.py", "tests/e2e/test_smollm2_prepare.py", "tests/e2e/test_reshard.py",
-                 "tests/e2e/test_final_model.py", "tests/e2e/test_bench.py")
+_OWN_INSTANCE = {"tests/slurm/test_multinode.py": "two_nodes", "tests/slurm/test_slurm_requeue.py": "two_nodes",
+                 "tests/slurm/test_slurm_preemption.py": "patient_slurm_env"}
+# The second worker's files: tests/unit and tests/dist, then e2e files without timing bounds, which fill
+# that worker's idle end: the doctor, the GPU-list launch, the SmolLM2 conversion, the resharded resumes
+# and rft.export, the final model's checks and mode=bench (these two on the shared quickstart run). In
+# the fresh-clone run of 2026-11-29 the second worker was done after about 1390 s, tests/slurm after
+# 1811 s, and the first worker then ran the other e2e files alone for 1759 s (65 min in all with install)
+_BESIDE_ORDER = ("tests/unit/", "tests/dist/", "tests/e2e/")
+_BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
+                 "tests/e2e/test_smollm2_prepare.py", "tests/e2e/test_reshard.py", "tests/e2e/test_final_model.py",
+                 "tests/e2e/test_bench.py")
 
 
 def _unit_of(path: str) -> str:
     """The unit of work a test file belongs to: its Slurm instance's, or the file itself."""
-    if path in _TWO_NODES:
-        return _TWO_NODES_UNIT
+    if path in _OWN_INSTANCE:
+        return _ONE_UNIT + _OWN_INSTANCE[path]
     return _ONE_UNIT if path.startswith(_ONE_UNIT) else path
 
 
@@ -149,8 +150,7 @@ def pytest_xdist_make_scheduler(config, log):
             self.collection = collection
             launches, quiet = sorted(self.nodes, key=lambda node: node.gateway.id)
             # on the second worker tests/unit first: it keeps one core busy while tests/slurm's first test
-            # makes the shared quickstart run (about 1.6 cores); then the two-node Slurm's tests (mostly
-            # waiting), tests/dist, the e2e files
+            # makes the shared quickstart run (about 1.6 cores); then tests/dist, then the e2e files
             def second_order(scope: str) -> int:
                 return next((i for i, folder in enumerate(_BESIDE_ORDER) if scope.startswith(folder)), 0)
 
@@ -179,11 +179,12 @@ def pytest_collection_modifyitems(config, items):
         return folder, path(item) in waits
 
     items.sort(key=order)  # stable: within a file, its own order
+    instances = set(_OWN_INSTANCE.values())
     for item in items:  # a Slurm instance's fixture used from another unit would start it twice, side by side
-        two_nodes = "two_nodes" in item.fixturenames
-        if path(item).startswith(_ONE_UNIT) and two_nodes != (path(item) in _TWO_NODES):
-            raise pytest.UsageError(f"{item.nodeid}: {'uses' if two_nodes else 'does not use'} the two_nodes "
-                                    f"Slurm; its file must {'' if two_nodes else 'not '}be in tests/conftest.py's _TWO_NODES")
+        uses = instances.intersection(item.fixturenames)
+        if path(item).startswith(_ONE_UNIT) and uses != ({_OWN_INSTANCE[path(item)]} if path(item) in _OWN_INSTANCE else set()):
+            raise pytest.UsageError(f"{item.nodeid} uses the Slurm instances {sorted(uses) or 'of the session only'}: "
+                                    "its file's entry in tests/conftest.py's _OWN_INSTANCE must name the one it uses")
     import torch
 
     if torch.cuda.is_available():

@@ -9,7 +9,8 @@ an error within that). Each launch carries the next fault of the schedule; fault
 launch are acted out inside the run by rft/runtime/faults.py (a rank SIGKILLed or SIGSTOPped during
 generation, a train step, a weight sync or a checkpoint save; a checkpoint that finds no room)
 or from outside by this script (every process of the job SIGKILLed: a node failure; SIGUSR2 to
-every rank: the time limit). A torn shard (`corrupt_shard`) is repaired inside the run, so that
+every rank: the time limit; SIGTERM: a preemption or `scancel`, which on Slurm is a real `scancel`,
+its SIGKILL following after KillWait). A torn shard (`corrupt_shard`) is repaired inside the run, so that
 launch goes on to the next fault. Fault steps come in increasing order, each one past the
 checkpoint the launch resumes from, so every launch makes progress.
 
@@ -48,8 +49,8 @@ TRAINERS, ROLLOUT = (0, 1), 2  # global ranks: two TP trainer ranks, then the ro
 KINDS: dict[str, tuple[int, ...] | None] = {
     "kill_generation": (ROLLOUT,), "kill_train": TRAINERS, "kill_sync": TRAINERS, "kill_save": (*TRAINERS, ROLLOUT),
     "stop_generation": (ROLLOUT,), "stop_train": TRAINERS, "stop_sync": TRAINERS,
-    "file_size_limit": None, "corrupt_shard": None, "job_kill": None, "usr2": None}
-OUTSIDE = ("job_kill", "usr2")  # acted out by this script
+    "file_size_limit": None, "corrupt_shard": None, "job_kill": None, "usr2": None, "term": None}
+OUTSIDE = ("job_kill", "usr2", "term")  # acted out by this script
 SAVE_STEP_KINDS = ("kill_save", "file_size_limit")  # fire only where a checkpoint is saved
 
 
@@ -122,13 +123,14 @@ def job_id(log: str) -> str | None:
 
 def act_from_outside(kind: str, launcher: subprocess.Popen, run_dir: str, log: str, cluster: str) -> None:
     job = job_id(log)
-    if cluster == "slurm":  # as Slurm does: the time-limit signal to every task, or a node failure
-        subprocess.run(["scancel", "-s", "USR2" if kind == "usr2" else "KILL", "-f", job], check=False)
+    if cluster == "slurm":  # as Slurm does: the time-limit signal to every task, a cancel, or a node failure
+        how = {"usr2": ["-s", "USR2", "-f"], "term": [], "job_kill": ["-s", "KILL", "-f"]}[kind]
+        subprocess.run(["scancel", *how, job], check=False)
         return
-    if kind == "usr2":  # what Slurm sends every task before the time limit
+    if kind in ("usr2", "term"):  # what Slurm sends every task before the time limit, or to cancel it
         for pid in rank_pids(run_dir):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGUSR2)
+                os.kill(pid, signal.SIGUSR2 if kind == "usr2" else signal.SIGTERM)
         return
     with contextlib.suppress(ProcessLookupError):  # a node failure: launcher, controller, ranks, engines at once
         os.killpg(launcher.pid, signal.SIGKILL)
@@ -170,10 +172,10 @@ def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[s
     with open(log, "w") as out:
         launcher = subprocess.Popen([sys.executable, "-m", "rft.launch", *args], cwd=REPO, stdout=out,
                                     stderr=subprocess.STDOUT, env=env, start_new_session=True, text=True)
-        acted_at, todo = None, list(outside)
+        acted_at, acted_step, todo = None, None, list(outside)
         try:
             while launcher.poll() is None:
-                if todo and progress_step(run_dir) >= todo[0][1]:
+                if todo and (acted_step := progress_step(run_dir)) >= todo[0][1]:
                     act_from_outside(todo.pop(0)[0], launcher, run_dir, log, cluster)
                     acted_at = time.time()
                 if time.time() - start > 900:
@@ -186,10 +188,11 @@ def launch(args: list[str], env: dict[str, str], log: str, outside: list[tuple[s
     with open(log) as f:
         text = f.read()
     lines = text.splitlines()
-    at = next((i for i, line in enumerate(lines) if " failed: " in line or "rft: stopped" in line), None)
+    at = next((i for i, line in enumerate(lines) if " failed: " in line or " stopped: " in line), None)
     # the launcher's line about the failed rank, and the one after it naming the rank's log
     failure = "" if at is None else " ".join(line.strip() for line in lines[at: at + 2])
     return {"rc": launcher.returncode, "seconds": ended - start, "ended": ended, "acted_at": acted_at,
+            "acted_step": acted_step if acted_at else None,
             "failure": failure, "resumed_from": resumed_from(run_dir, log), "reached": progress_step(run_dir)}
 
 
@@ -333,7 +336,8 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
                **checks, "identical_to_uninterrupted": identical, "run_dir": run_dir,
                "launch_records": [{"faults": [f"{k}@{s}" + (f"#{r}" if r is not None else "") for k, s, r in x["faults"]],
                                    "rc": x["rc"], "seconds_to_exit": x["detected_s"], "failure": x["failure"],
-                                   "resumed_from": x["resumed_from"], "checkpoint_after": x["checkpoint_after"]}
+                                   "resumed_from": x["resumed_from"], "checkpoint_after": x["checkpoint_after"],
+                                   "acted_step": x["acted_step"], "reached": x["reached"]}
                                   for x in launches]}
     print(json.dumps(summary))
     ok = not checks["experience_lost"] and not checks["experience_extra"] and not checks["metric_gaps"]

@@ -22,6 +22,8 @@
 # machine's count, at least 4, so a 2-task job and a 2-job array fit; slurmd is told to accept
 # the difference) and one partition, `debug`. RFT_SLURM_GPUS=N (default 0) also gives it N GPUs
 # (gres/gpu on stand-in device files: no real GPU), for sinfo %G and --gpus-per-node jobs.
+# RFT_SLURM_KILL_WAIT (default 5) is KillWait, the seconds from a cancel's SIGTERM to its SIGKILL;
+# RFT_SLURM_GRACE_TIME (default 0) the partition's GraceTime for preempted jobs.
 #
 # RFT_SLURM_NODES=N (N > 1, root): N nodes on this machine, each a network namespace of its own
 # (rft-<name>-nodeK) joined to a bridge by a veth pair: node K has address $RFT_SLURM_NET.(10+K)
@@ -167,7 +169,7 @@ $(if [ "$ACCOUNTING" = 1 ]; then
     echo "AccountingStorageType=accounting_storage/none"
   fi)
 JobCompType=jobcomp/none
-KillWait=5
+KillWait=${RFT_SLURM_KILL_WAIT:-5}
 # a requeued job may start again after the credential lifetime (default 120 s); tests requeue
 AuthInfo=cred_expire=10
 # and is started by the next scheduling pass once eligible: by default the main loop runs every 60 s
@@ -175,7 +177,7 @@ AuthInfo=cred_expire=10
 SchedulerParameters=sched_interval=1,bf_interval=1
 MinJobAge=300
 ${gres_types}${node_lines}
-PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP
+PartitionName=debug Nodes=$partition_nodes Default=YES MaxTime=INFINITE State=UP GraceTime=${RFT_SLURM_GRACE_TIME:-0}
 EOF
     export SLURM_CONF="$DIR/slurm.conf"
     if [ "$ACCOUNTING" = 1 ]; then start_accounting; fi

@@ -49,4 +49,5 @@ class ClusterConfig:
     container_binds: list[str] = field(default_factory=list)  # paths bound into the container
     env: dict[str, str] = field(default_factory=dict)  # exported for every rank, e.g. NCCL_IB_HCA
     max_requeues: int = 3  # times a job stopped by the time-limit signal requeues itself
+    requeue: bool = True  # submit with --requeue, so that Slurm requeues a preempted job (which resumes from the checkpoint it saved on SIGTERM) and `scontrol requeue` works where a site sets JobRequeue=0; false: --no-requeue (a preempted or timed-out job then stops saved, and launching it again resumes)
     signal_delay_s: int = 120  # Slurm sends SIGUSR2 this long before the time limit: save, requeue

@@ -55,6 +55,14 @@ def trainer_bytes_per_gpu(cfg: RFTConfig, parameters: int) -> float:
     return parameters * (RESIDENT_BYTES + optimizer) / model_parallel
 
 
+def checkpoint_bytes_per_rank(cfg: RFTConfig, parameters: int) -> float:
+    """What each trainer rank writes to a checkpoint: the weights (in model.dtype) and the optimizer
+    state, spread over the trainer ranks (sharded saves write each tensor once, replicas sharing the
+    work). An upper bound for a LoRA stage, which saves its adapters and their optimizer only."""
+    weights = 4 if cfg.model.dtype in ("float32", "fp32") else 2
+    return parameters * (weights + OPTIMIZER_BYTES) / max(cfg.cluster.trainer_ranks, 1)
+
+
 def check_colocated_memory(cfg: RFTConfig, gpu_memory_gb: Optional[float]) -> None:
     """Refuse a colocated GPU layout whose trainer state and woken engine exceed a GPU's memory
     (`gpu_memory_gb`: cluster.gpu_memory_gb, or what nvidia-smi reports on the launcher's node;

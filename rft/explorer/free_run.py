@@ -121,8 +121,7 @@ class FreeRunning:
         if save.stopping:
             if self.runtime.monitor is not None:
                 self.runtime.monitor.close()
-            requeue_or_stop(self.runtime.group, self.runtime.stop, self.cfg.run.output_dir, save.done,
-                            self.cfg.cluster.max_requeues)
+            requeue_or_stop(self.runtime.group, self.runtime.stop, self.cfg.run.output_dir, save.done, self.cfg.cluster)
 
     def take(self, offer: Offer | None) -> None:
         """Load the offered weights unless the engines hold them; serve them as the offered version."""

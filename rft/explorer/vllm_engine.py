@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import signal
 import threading
 import time
 import uuid
@@ -354,6 +355,12 @@ class RolloutEngine:
         # (measured): it is killed after CPU_SHUTDOWN_S. On GPUs vLLM's own grace period stands.
         import torch
 
+        # its processes inherited the rank's blocked SIGTERM (rft/runtime/preemption.py), which vLLM's
+        # shutdown sends: SIGINT takes them down the same graceful way (vllm/v1/engine/core.py handles both)
+        with contextlib.suppress(Exception):
+            for process in self.llm.engine_core.resources.engine_manager.processes:
+                if process.is_alive():
+                    os.kill(process.pid, signal.SIGINT)
         with contextlib.suppress(Exception):
             self.llm.shutdown(timeout=None if torch.cuda.is_available() else CPU_SHUTDOWN_S)
         # drop it now: its __del__ shuts down again, which at interpreter exit fails noisily

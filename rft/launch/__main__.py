@@ -36,14 +36,18 @@ def main(dcfg: DictConfig) -> None:
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         cfg = configure(dcfg, multirun)
+        if multirun and sweep.leave_finished(cfg, HydraConfig.get().job.num):
+            return  # a sweep launched again: its finished runs stay as they are
         owner, attempt = take_run_dir(cfg)
     except ValueError as err:  # RunDirBusy included
         print(f"rft: config error: {err}", file=sys.stderr)
         sys.exit(2)  # in a sweep: before anything was submitted to Slurm
     if multirun and cfg.cluster.kind == "slurm":
         sweep.QUEUED.append((cfg, owner, attempt))  # submitted as one array when the sweep ends (rft/launch/sweep.py)
-        print(f"rft: sweep run {len(sweep.QUEUED) - 1} -> {cfg.run.output_dir}")
+        print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}" + (f": {attempt}" if attempt else ""))
         return
+    if multirun and attempt:
+        print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}: {attempt}")
     try:
         code = submit(cfg, owner, attempt)
     finally:

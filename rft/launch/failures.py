@@ -29,6 +29,12 @@ class RankFailure:
         than raising: when one rank dies its peers raise soon after, and the dead one is the cause."""
         return " was killed by " in self.reason or "without a result" in self.reason
 
+    @property
+    def stopped(self) -> str | None:
+        """What the rank said when it stopped on Slurm's signal with its checkpoint complete
+        (rft/runtime/preemption.py's StoppedBySignal): not a failure; None otherwise."""
+        return self.reason.removeprefix("StoppedBySignal: ") if self.reason.startswith("StoppedBySignal") else None
+
 
 def _exception_line(trace: str) -> str:
     """The `SomeError: message` line of a traceback (messages may span several lines), without
@@ -36,7 +42,7 @@ def _exception_line(trace: str) -> str:
     the message."""
     lines = trace.strip().splitlines()
     for line in reversed(lines):
-        found = re.match(r"^(?:[\w]+\.)*(\w+(?:Error|Exception|Interrupt|Exit))\b(.*)$", line)
+        found = re.match(r"^(?:[\w]+\.)*(\w+(?:Error|Exception|Interrupt|Exit)|StoppedBySignal)\b(.*)$", line)
         if found:
             name, rest = found.groups()
             return rest.lstrip(": ") if name == "RankKilledError" else name + rest

@@ -78,14 +78,59 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
     if cfg.mode != "explore":
         save = [f"every {cfg.trainer.save_every_min:g} min"] if cfg.trainer.save_every_min else []
         save += [f"every {cfg.trainer.save_interval} steps"] if cfg.trainer.save_interval else []
-        table.add_row("checkpoints", " and ".join(save + ["on Slurm's time-limit signal"]) + ", "
+        table.add_row("checkpoints", " and ".join(save + ["on Slurm's time-limit signal and SIGTERM"]) + ", "
                       f"newest {cfg.trainer.keep_checkpoints} kept")
+    if cfg.cluster.kind == "slurm":
+        table.add_row("on SIGTERM", sigterm_line(cfg))
     table.add_row("output dir", cfg.run.output_dir)
     if attempt is not None:
         table.add_row("attempt", attempt)
     table.add_row("logs", log_dir)
     table.add_row("tensorboard", f"tensorboard --logdir {os.path.join(cfg.run.output_dir, 'tensorboard')}")
     console.print(table)
+
+
+# what one trainer rank writes per second to the run's filesystem, for a save not measured yet (an
+# order of magnitude of one client of a parallel filesystem; measured saves replace it)
+WRITE_GB_S = 1.0
+
+
+def sigterm_line(cfg: RFTConfig) -> str:
+    """What a preemption or `scancel` (SIGTERM, then SIGKILL) costs: the step in progress and a save
+    (rft/runtime/preemption.py), against the seconds Slurm gives between the two signals."""
+    from rft.config.memory_checks import checkpoint_bytes_per_rank, parameter_count
+    from rft.config.model import hf_config_json
+    from rft.launch.slurm import kill_delays_s
+    from rft.runtime.checkpoint import save_timing
+
+    kill_wait, grace = kill_delays_s(cfg.cluster.partition)
+    measured = save_timing(cfg.run.output_dir)
+    if measured is not None and measured.get("step_s") is not None:
+        needs = measured["save_s"] + measured["step_s"]
+        cost = (f"the last save took {measured['save_s']:.1f} s after a {measured['step_s']:.1f} s step "
+                f"(checkpoint of step {measured['step']})")
+    else:
+        config = hf_config_json(cfg.model) if cfg.mode != "explore" else None
+        parameters = parameter_count(config) if config else None
+        needs = checkpoint_bytes_per_rank(cfg, parameters) / 1e9 / WRITE_GB_S if parameters else None
+        cost = ("a save not measured yet" + (f": about {needs * WRITE_GB_S:.1f} GB per trainer rank, {needs:.0f} s at "
+                                               f"{WRITE_GB_S:g} GB/s, after the step in progress" if needs else ""))
+    windows = {}
+    if kill_wait is not None:
+        windows["scancel"] = kill_wait
+        if grace is not None:
+            windows["preemption"] = grace + kill_wait
+    allows = ", ".join(f"{seconds} s after a {what}" for what, seconds in windows.items()) or "(scontrol did not say)"
+    requeue = ("Slurm requeues a preempted job, which resumes there" if cfg.cluster.requeue else
+               "a preempted job is not requeued (cluster.requeue=false): launch again to resume")
+    line = (f"every rank finishes its step, saves and stops; {requeue}. Slurm kills {allows} "
+            f"(KillWait, partition GraceTime); {cost}")
+    short = [what for what, seconds in windows.items() if needs is not None and needs > seconds]
+    if short:
+        line += (f"\n[yellow]may not fit before a {' or a '.join(short)}'s SIGKILL: the steps since the last checkpoint "
+                 "would be lost. Ask the site for a longer GraceTime, save more often (trainer.save_every_min), "
+                 "and stop a run with `scancel --signal=TERM <job>` (no SIGKILL follows)[/yellow]")
+    return line
 
 
 def kv_cache_note(cfg: RFTConfig) -> str:

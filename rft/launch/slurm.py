@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -161,6 +162,18 @@ def partition_nodes(partition: str | None) -> tuple[str, int, int] | None:
     return (name, gpus[name], cpus.get(name, 1)) if name in gpus else None
 
 
+def kill_delays_s(partition: str | None) -> tuple[int | None, int | None]:
+    """(KillWait, GraceTime of the partition) in seconds: after a `scancel`'s SIGTERM Slurm sends SIGKILL
+    KillWait later; a preempted job gets GraceTime before that cancel. None where scontrol does not
+    say. (A QOS's GraceTime, which `sacctmgr show qos` lists, may replace the partition's.)"""
+    config = _run(["scontrol", "show", "config"]) or ""
+    kill_wait = re.search(r"^KillWait\s*=\s*(\d+)", config, re.MULTILINE)
+    name = partition or (partition_nodes(None) or (None,))[0]
+    listing = (_run(["scontrol", "show", "partition", name]) if name else None) or ""
+    grace = re.search(r"\bGraceTime=(\d+)", listing)
+    return (int(kill_wait.group(1)) if kill_wait else None), (int(grace.group(1)) if grace else None)
+
+
 def resolve_gpus(cfg: RFTConfig) -> str | None:
     """Settle `cluster.gpus_per_node` before validation, and refuse to run a model that needs
     GPUs (`model.needs_gpu`) where the ranks get none. Unset (None) on Slurm: one GPU per rank when
@@ -259,7 +272,8 @@ def make_executor(cfg: RFTConfig, folder: str):
             params[key] = getattr(c, key)
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
-    extra, srun_args = dict(c.sbatch_extra), []
+    # submitit writes a bare `--requeue` for True and skips False, so the refusal is spelled out
+    extra, srun_args = {"requeue" if c.requeue else "no-requeue": True, **c.sbatch_extra}, []
     if cfg.rollout.on_engine_failure == "continue":
         # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero,
         # and Slurm ends a job one of whose nodes fails unless told not to (--no-kill)

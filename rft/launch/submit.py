@@ -138,6 +138,9 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
                 while not done() and time.monotonic() < deadline:
                     time.sleep(0.1)
                 stop_local_ranks(processes)
+    if failure is not None and failure.stopped:
+        console.print(f"[yellow]job {job.job_id} stopped: {escape(failure.stopped)}", soft_wrap=True)
+        return 1
     if failure is not None:
         # the reason quotes the rank's error, which may hold brackets (gloo's "[/.../pair.cc:553]")
         # that rich would take for markup

@@ -47,6 +47,19 @@ def check_one_array(runs: list[RFTConfig]) -> None:
         seen[run.run.output_dir] = i
 
 
+def leave_finished(cfg: RFTConfig, number: int) -> bool:
+    """A sweep launched again (the same command, the same sweep dir) resumes its unfinished runs and
+    leaves its finished ones as they are, saying so; True for a finished run. (A single launch into a
+    finished run is refused instead, rft/launch/attempts.py: there it is more likely a mistake.)
+    `run.resume=never` starts every run over, `require` trains a finished run's last steps again."""
+    from rft.runtime.run_dir import finished
+
+    if cfg.run.resume != "auto" or not finished(cfg.run.output_dir):
+        return False
+    print(f"rft: sweep run {number} -> {cfg.run.output_dir}: finished (its summary.json), left as it is")
+    return True
+
+
 class SweepCallback(Callback):
     """Submits the queued Slurm runs as one array when Hydra's sweep ends; sets the exit status."""
 

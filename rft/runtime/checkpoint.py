@@ -25,6 +25,7 @@ files it wrote there, so completeness and torn files are told as for rank files:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -34,13 +35,16 @@ import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from rft.lazy import lazy_module
 from rft.runtime import faults
 from rft.runtime.storage import written_whole_or_not_at_all
+
+if TYPE_CHECKING:
+    from rft.runtime.background_save import BackgroundSave
 
 # imported where first used: the launcher reads checkpoints' metadata (newest_complete) without torch
 torch = lazy_module("torch")
@@ -173,31 +177,76 @@ def sharded_dir(step_dir: str) -> str:
     return os.path.join(step_dir, "sharded")
 
 
+def _fresh_sharded_dir(run_dir: str, done: int) -> str:
+    """Checkpoint `done`'s sharded directory, emptied by trainer rank 0 of what an attempt that died
+    saving left (a barrier of the trainer ranks follows)."""
+    import torch.distributed as dist
+
+    path = sharded_dir(os.path.join(checkpoint_root(run_dir), f"step{done:08d}"))
+    if faults.armed("file_size_limit", done):
+        faults.limit_file_size()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    dist.barrier()
+    return path
+
+
+def _shard_digests(path: str, rank: int) -> dict[str, dict[str, Any]]:
+    """The size and sha256 of each file of the sharded directory this rank wrote (trainer rank 0
+    also the shared metadata)."""
+    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")))
+    return {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
+            for f in mine}
+
+
+@contextlib.contextmanager
+def _shards_written_whole(path: str, shards: dict[str, Any], rank: int, done: int):
+    """Nothing half-written stays when a shard write fails; a full disk is said as such."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
+        shutil.rmtree(path, ignore_errors=True)  # (the rank files are not written)
+        _raise_if_no_room(path, _local_bytes(shards), f"the checkpoint of rank {rank} at step {done}")
+        raise err
+
+
 def save_shards(run_dir: str, done: int, shards: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """Every trainer rank at once (a collective over the trainer group): the trainer's sharded
     components of checkpoint `done` through megatron.core.dist_checkpointing. Returns the size and
     sha256 of each file this rank wrote (trainer rank 0 also writes the shared metadata)."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from torch.distributed.checkpoint.api import CheckpointException
 
-    path = sharded_dir(os.path.join(checkpoint_root(run_dir), f"step{done:08d}"))
-    rank = dist.get_rank()
-    if faults.armed("file_size_limit", done):
-        faults.limit_file_size()
-    if rank == 0:
-        shutil.rmtree(path, ignore_errors=True)  # what an attempt that died saving left
-        os.makedirs(path)
-    dist.barrier()
-    try:
+    path, rank = _fresh_sharded_dir(run_dir, done), dist.get_rank()
+    with _shards_written_whole(path, shards, rank, done):
         dist_checkpointing.save(shards, path)
-    except (Exception, CheckpointException) as err:  # torch's CheckpointException is a BaseException
-        shutil.rmtree(path, ignore_errors=True)  # nothing half-written stays (the rank files are not written)
-        _raise_if_no_room(path, _local_bytes(shards), f"the checkpoint of rank {rank} at step {done}")
-        raise err
-    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")))
-    return {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
-            for f in mine}
+    return _shard_digests(path, rank)
+
+
+def start_shards(run_dir: str, done: int, shards: dict[str, Any], state: dict[str, Any]) -> BackgroundSave:
+    """As save_shards, but the write goes on in the background (rft/runtime/background_save.py);
+    `finish_shards` completes it."""
+    import torch.distributed as dist
+
+    from rft.runtime.background_save import BackgroundSave
+
+    path = _fresh_sharded_dir(run_dir, done)
+    with _shards_written_whole(path, shards, dist.get_rank(), done):
+        return BackgroundSave(path, done, shards, state)
+
+
+def finish_shards(pending: BackgroundSave) -> dict[str, dict[str, Any]]:
+    """Every trainer rank at once, once all wrote: the metadata of a background save; the size and
+    sha256 of the files this rank wrote."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    with _shards_written_whole(pending.path, pending.shards, rank, pending.done):
+        pending.finish()
+    return _shard_digests(pending.path, rank)
 
 
 def whole_shards(step_dir: str) -> dict[str, dict[str, Any]]:
@@ -397,3 +446,27 @@ def record_requeue(run_dir: str, done: int) -> int:
     os.makedirs(checkpoint_root(run_dir), exist_ok=True)
     write_json_atomic(_requeues_path(run_dir), {"requeues": count, "last_at_step": done})
     return count
+
+
+def _save_timing_path(run_dir: str) -> str:
+    return os.path.join(checkpoint_root(run_dir), "save_timing.json")
+
+
+def record_save_timing(run_dir: str, done: int, save_s: float, step_s: float | None) -> None:
+    """Rank 0, once checkpoint `done` is complete: how long the save took every rank and how long
+    the step before it took, which is what must fit between Slurm's SIGTERM and its SIGKILL (the
+    launcher's plan compares them with KillWait and GraceTime)."""
+    from rft.runtime.monitor import write_json_atomic
+
+    os.makedirs(checkpoint_root(run_dir), exist_ok=True)
+    write_json_atomic(_save_timing_path(run_dir), {"step": done, "save_s": round(save_s, 3),
+                                                    "step_s": None if step_s is None else round(step_s, 3)})
+
+
+def save_timing(run_dir: str) -> dict[str, Any] | None:
+    """The newest record_save_timing of the run, or None before its first checkpoint."""
+    try:
+        with open(_save_timing_path(run_dir)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None

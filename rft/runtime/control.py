@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from rft.config import RFTConfig, stage_configs
-from rft.runtime.checkpoint import Resume, SaveClock, record_stand_ins
+from rft.runtime.checkpoint import Resume, SaveClock, record_save_timing, record_stand_ins
 from rft.runtime.free_run import TrainerVotes
 from rft.runtime.monitor import Monitor, peak_rss_gb, progress_path, rank_summary_path, write_json_atomic
 from rft.runtime.preemption import ControlGroup, StopFlag, requeue_or_stop
@@ -57,6 +57,7 @@ class Runtime:
         self.resumed_at = self.progress.global_step if self.state.resuming else None
         self.monitor = Monitor(cfg, rank_name, self.resumed_at) if monitor else None
         self.clock = SaveClock(cfg.trainer.save_every_min)
+        self.last_met: float | None = None  # when this rank last met at a control point
         self.save_hooks: list[Callable[[int], None]] = []  # with every checkpoint, on every rank (HF export)
         self.saved_hooks: list[Callable[[int], None]] = []  # once every rank has saved (pruning)
         # free-running stages (rft/runtime/free_run.py): the trainer ranks meet at their steps alone
@@ -93,11 +94,17 @@ class Runtime:
             "stage": stage.name, "stage_index": stage.index, "num_stages": len(self.stage_plan), "step": step,
             "total_steps": sum(s.trainer.max_steps for _, s in self.stage_plan), "reward": scalars.get("reward/mean")})
 
-    def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float]) -> None:
+    def save(self, done: int, stage: Stage, step: Step, voted: int, scalars: dict[str, float],
+             step_s: float | None = None, stopping: bool = False) -> None:
         """Every rank's state for `done` trainer steps; the checkpoint is complete when all wrote
-        (in a free-running stage the explorer adds its file later: `save_own`)."""
-        self.save_own(done, stage, step, voted, scalars)
+        (in a free-running stage the explorer adds its file later: `save_own`; with
+        trainer.async_save the trainer ranks' files come once their shards are written:
+        `complete_background`). A stop saves in the foreground: the job ends right after."""
+        started = time.time()
+        self.save_own(done, stage, step, voted, scalars, background=stage.cfg.trainer.async_save and not stopping)
         stage.voters.any(False)  # every rank's file is written: the checkpoint is complete
+        if self.topology.rank == 0:
+            record_save_timing(self.cfg.run.output_dir, done, time.time() - started, step_s)
         absent = [r for r in self.group.members if r not in self.group.present]
         if absent:  # engines lost (rollout.on_engine_failure=continue): complete once rank 0 names stand-ins
             if self.topology.rank == 0:
@@ -107,20 +114,31 @@ class Runtime:
         for hook in self.saved_hooks:
             hook(done)
 
-    def save_own(self, done: int, stage: Stage, step: Step, voted: int = 0, scalars: dict[str, float] | None = None) -> None:
+    def save_own(self, done: int, stage: Stage, step: Step, voted: int = 0, scalars: dict[str, float] | None = None,
+                 background: bool = False) -> None:
         """This rank's file of checkpoint `done`, holding its position `step` (a free-running
-        explorer's is at or after `done`: rft/runtime/free_run.py)."""
+        explorer's is at or after `done`: rft/runtime/free_run.py); `background`: its shards
+        written while it goes on (rft/runtime/background_save.py)."""
         p = self.progress
         p.global_step, p.stage_index, p.step, p.voted, p.pending = step.global_step, stage.index, step.index, voted, scalars or {}
         if self.monitor is not None:  # the steps before this checkpoint are in every tracker: a resume logs only later ones
             self.monitor.flush()
-        self.state.save(done)
+        self.state.save(done, background)
         for hook in self.save_hooks:
             hook(done)
         self.clock.saved()
 
+    def complete_background(self) -> None:
+        """Trainer ranks together: complete the checkpoint being written in the background, if any
+        (waiting for the write), and prune older ones."""
+        done = self.state.finish_background()
+        if done is not None:
+            for hook in self.saved_hooks:
+                hook(done)
+
     def finish(self, summary: dict) -> dict:
         """Close the logs and write this rank's summary (rft/launch/report.py reads it)."""
+        self.complete_background()  # every trainer rank ends here: the last checkpoint completes
         if self.monitor is not None:
             self.monitor.close()
         out = {"rank": self.topology.rank, "steps": self.progress.global_step, "wall_s": self.progress.elapsed_s,
@@ -179,17 +197,22 @@ class ControlPoint:
         if self.met:
             return
         runtime, cfg, voters = self.stage.runtime, self.stage.runtime.cfg, self.stage.voters
-        stopping, save_due, self.sends_weights = voters.vote(runtime.stop.requested, runtime.clock.due(), weights_changed)
+        stopping, save_due, self.sends_weights, writing = voters.vote(runtime.stop.requested, runtime.clock.due(),
+                                                                     weights_changed, runtime.state.writing)
+        if runtime.state.background is not None and not writing:  # every trainer rank's shards are written
+            runtime.complete_background()
+        now = time.time()  # a step's time: from this rank's previous control point to this one
+        step_s, runtime.last_met = (None if runtime.last_met is None else now - runtime.last_met), now
         done = self.stage.start + self.t + 1  # trainer steps done: what the checkpoint is named by
         interval = self.stage.cfg.trainer.save_interval  # a stage may set its own (stages[i].trainer.save_interval)
         if stopping or save_due or (interval and done % interval == 0):
-            runtime.save(done, self.stage, self.step, self.t, scalars)
+            runtime.save(done, self.stage, self.step, self.t, scalars, step_s, stopping)
             if self.stage.free and runtime.topology.rank == 0:  # the explorer's file completes it
                 voters.request_save(done, stopping)
             if stopping:
                 if runtime.monitor is not None:
                     runtime.monitor.close()
-                requeue_or_stop(runtime.group, runtime.stop, cfg.run.output_dir, done, cfg.cluster.max_requeues)
+                requeue_or_stop(runtime.group, runtime.stop, cfg.run.output_dir, done, cfg.cluster)
 
     def offer(self) -> None:
         """Free-running, trainer rank 0 before this point's sync: the engines may take the weights."""

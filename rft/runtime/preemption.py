@@ -1,15 +1,25 @@
 """Stopping a job cleanly before Slurm kills it, and requeueing it.
 
-Slurm sends SIGUSR2 to every task `signal_delay_s` before the time limit (submitit's
-`--signal=USR2@120`; `scancel -s USR2 <job>` sends it by hand, a site's preemption can too). Any
-rank's handler only raises a flag. At every step's control point all ranks (trainer and rollout)
+Two signals stop a run, and every rank saves first:
+- SIGUSR2: the time limit is near (submitit's `--signal=USR2@120`; `scancel -s USR2 <job>` sends it by
+  hand). After the checkpoint rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless
+  `cluster.max_requeues` is used up; the requeued job runs the same ranks again, which resume.
+- SIGTERM: a preemption (PreemptMode REQUEUE or CANCEL sends it, then SIGKILL after GraceTime) or a
+  `scancel` (SIGKILL after KillWait). After the checkpoint the ranks stop; Slurm requeues a preempted
+  job itself (submitted with `--requeue`, `cluster.requeue`), and a cancelled one resumes when
+  launched again. Without this a preemption lost everything since the last periodic save.
+Any rank's handler only raises a flag. At every step's control point all ranks (trainer and rollout)
 vote through the control store (rft/runtime/membership.py), so all of them stop at the same step,
-save their checkpoint files (rft/runtime/checkpoint.py), meet once more so the checkpoint is complete,
-and then rank 0 asks Slurm to requeue the job (`scontrol requeue`) unless `cluster.max_requeues`
-is used up. The requeued job runs the same submitted ranks again; they find the checkpoint and
-resume. SIGTERM stays ignored (submitit's choice): `scancel` sends it, and a cancelled job must not
-requeue itself. Hard kills (node failure, preemption without a signal) resume from the newest
-periodic checkpoint (`trainer.save_every_min`, `trainer.save_interval`).
+save their checkpoint files (rft/runtime/checkpoint.py) and meet once more so the checkpoint is
+complete. The step in progress when the signal comes is finished first: the save must fit in Slurm's
+grace (the plan compares them: rft/launch/plan.py). Hard kills (node failure, preemption without a
+signal) resume from the newest periodic checkpoint (`trainer.save_every_min`, `trainer.save_interval`).
+
+Slurm signals every process of a task, not only the rank: vLLM's engine process would shut down on
+SIGTERM (vllm/v1/engine/core.py installs a handler that drains and exits), and reward or tool
+subprocesses would die, before the rank reached its checkpoint. So a rank blocks SIGTERM from
+`install()` on: the processes it starts inherit the blocked signal and live until the rank ends
+them (or Slurm's SIGKILL), and the rank itself takes SIGTERM from a thread waiting for it.
 
 The control store listens on master_port + 2 (the trainer group uses master_port, the
 weight groups master_port + 1), hosted by global rank 0.
@@ -21,28 +31,41 @@ import datetime
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import torch.distributed as dist
 
+from rft.config import ClusterConfig
 from rft.runtime.topology import Topology
 
 
 class StopFlag:
-    """Set by SIGUSR2. `ignore_in_children()` keeps subprocesses started meanwhile (vLLM's
-    workers) from dying of it: the default action of SIGUSR2 is to terminate, and Slurm signals
-    every process of a task."""
+    """Raised by SIGUSR2 (`requested`) or SIGTERM (`requested` and `terminated`).
+    `ignore_in_children()` keeps subprocesses started meanwhile (vLLM's workers) from dying of
+    SIGUSR2: its default action is to terminate, and Slurm signals every process of a task."""
 
     def __init__(self) -> None:
         self.requested = False
+        self.terminated = False  # SIGTERM: Slurm ends the job (or requeues it) itself; no requeue of ours
         self.awaiting_requeue = False
-        self._previous_term = None
+        self._waiter: threading.Thread | None = None
 
     def install(self) -> None:
         signal.signal(signal.SIGUSR2, self._on_usr2)
-        previous = signal.signal(signal.SIGTERM, self._on_term)
-        if previous != self._on_term:  # installing twice must not chain the handler to itself
-            self._previous_term = previous
+        signal.signal(signal.SIGTERM, self._on_term)  # where a thread that does not block it is chosen
+        # multiprocessing starts its resource tracker with the first process it spawns (vLLM's engine
+        # core) and then *unblocks* SIGINT and SIGTERM in the calling thread (multiprocessing/
+        # resource_tracker.py, ensure_running): started here first, it leaves the mask alone later
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()
+        # threads started from here on inherit the block, and so do the processes they start (the
+        # signal mask survives fork and exec)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        if self._waiter is None:
+            self._waiter = threading.Thread(target=self._wait_for_term, name="rft-sigterm", daemon=True)
+            self._waiter.start()
 
     def ignore_in_children(self) -> None:
         """Until `install()` again: SIG_IGN survives exec, so spawned workers ignore SIGUSR2; this
@@ -52,11 +75,19 @@ class StopFlag:
     def _on_usr2(self, signum, frame) -> None:
         self.requested = True  # no print here: a handler that writes stdout mid-print raises
 
+    def _wait_for_term(self) -> None:
+        while True:
+            self._on_term(signal.sigwait({signal.SIGTERM}), None)
+
     def _on_term(self, signum, frame) -> None:
         if self.awaiting_requeue:  # Slurm is requeueing us; the checkpoint is complete
             os._exit(0)
-        if callable(self._previous_term):  # submitit's: ignore it (scancel must not requeue)
-            self._previous_term(signum, frame)
+        self.terminated = self.requested = True
+
+
+class StoppedBySignal(RuntimeError):
+    """The run stopped on Slurm's signal with its checkpoint complete (not a failure of the run):
+    the launcher shows the message as it is."""
 
 
 class ControlGroup:
@@ -119,20 +150,29 @@ def hold_until_finished(topology: Topology, poll_s: float = 5.0) -> dict:
 
 
 
-def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: int, max_requeues: int) -> None:
-    """After every rank saved at `done` steps: rank 0 requeues the Slurm job if allowed; then
-    every rank waits to be killed by the requeue, or raises saying how to resume."""
+def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: int, cluster: ClusterConfig) -> None:
+    """After every rank saved at `done` steps: on SIGTERM every rank stops; on SIGUSR2 rank 0
+    requeues the Slurm job if allowed, and every rank waits to be killed by the requeue, or stops.
+    Raises StoppedBySignal saying how the run goes on."""
     from rft.runtime.checkpoint import record_requeue, requeue_count
 
     topology = control.topology
     job_id = os.environ.get("SLURM_JOB_ID")
+    resume = f"launch again with run.output_dir={run_dir} to resume"
+    if control.any(flag.terminated):  # any rank's SIGTERM: Slurm is ending the job on every node
+        print(f"rft: stop requested (SIGTERM: preemption or scancel); saved at step {done}", flush=True)
+        raise StoppedBySignal(f"stopped on SIGTERM (a preemption or scancel) at step {done}, checkpoint complete in "
+                              f"{run_dir}/checkpoints: a preempted job that Slurm requeues resumes there by itself; "
+                              f"otherwise {resume}")
     print(f"rft: stop requested (SIGUSR2: time limit or preemption); saved at step {done}", flush=True)
     will_requeue, reason = False, ""
     if topology.rank == 0:
         if job_id is None:
             reason = "not a Slurm job"
-        elif requeue_count(run_dir) >= max_requeues:
-            reason = f"cluster.max_requeues={max_requeues} requeues used"
+        elif not cluster.requeue:
+            reason = "cluster.requeue=false"
+        elif requeue_count(run_dir) >= cluster.max_requeues:
+            reason = f"cluster.max_requeues={cluster.max_requeues} requeues used"
         else:
             record_requeue(run_dir, done)
             will_requeue = True
@@ -143,12 +183,11 @@ def requeue_or_stop(control: ControlGroup, flag: StopFlag, run_dir: str, done: i
         if topology.rank == 0:
             out = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
             if out.returncode != 0:
-                raise RuntimeError(f"stopped on a signal at step {done} (checkpoint complete) but "
-                                   f"`scontrol requeue {job_id}` failed: {out.stderr.strip()}; launch again "
-                                   f"with run.output_dir={run_dir} to resume")
+                raise StoppedBySignal(f"stopped on a signal at step {done} (checkpoint complete) but "
+                                      f"`scontrol requeue {job_id}` failed: {out.stderr.strip()}; {resume}")
         print(f"rft: checkpoint at step {done} complete; job {job_id} requeued, waiting for Slurm "
               "to stop this task", flush=True)
         time.sleep(600)  # Slurm's SIGTERM ends us (see StopFlag); reaching the end is an error
         raise RuntimeError(f"requeued job {job_id} was not stopped by Slurm within 600 s")
-    raise RuntimeError(f"stopped on a signal at step {done}, checkpoint in {run_dir}/checkpoints; not requeued "
-                       f"({reason or 'see rank 0'}); launch again with run.output_dir={run_dir} to resume")
+    raise StoppedBySignal(f"stopped on a signal at step {done}, checkpoint in {run_dir}/checkpoints; not requeued "
+                          f"({reason or 'see rank 0'}); {resume}")

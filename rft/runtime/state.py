@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from rft.runtime.checkpoint import Resume, record_layout, save_rank_state, save_shards, saved_layout
+from rft.runtime.checkpoint import (Resume, finish_shards, record_layout, save_rank_state, save_shards, saved_layout,
+                                    start_shards)
 from rft.runtime.topology import Topology
+
+if TYPE_CHECKING:
+    from rft.runtime.background_save import BackgroundSave
 
 SHARDED = "__sharded__"  # a rank file's record of its sharded components and the files it wrote for them
 
@@ -87,6 +91,7 @@ class RankState:
         self.resume_done = resume.done if resume else None
         self.components: dict[str, Stateful] = {}
         self.shards_checked = False  # the sharded files' checksums, checked before the first load
+        self.background: BackgroundSave | None = None  # a checkpoint being written (trainer.async_save)
 
     @property
     def resuming(self) -> bool:
@@ -130,19 +135,40 @@ class RankState:
         """The checkpoint's stage has been entered: later stages start fresh."""
         self.saved = None
 
-    def save(self, done: int) -> str:
+    def save(self, done: int, background: bool = False) -> str | None:
         """Write every tracked component for checkpoint `step<done>`: this rank's file, and the
-        sharded ones with the other trainer ranks'."""
+        sharded ones with the other trainer ranks'. `background` (trainer.async_save): the sharded
+        ones are written while the rank goes on, and this rank's file once `finish_background`
+        completes them (rft/runtime/background_save.py); returns the rank file's path, or None then."""
+        self.finish_background()  # an earlier write still going: the checkpoints complete in order
         shards = {name: c.checkpoint_shards(f"{name}.") for name, c in self.components.items()
                   if hasattr(c, "checkpoint_shards")}
         shards = {name: s for name, s in shards.items() if s is not None}
         state = {name: c.state_dict() for name, c in self.components.items() if name not in shards}
-        if shards:
-            state[SHARDED] = {"components": sorted(shards), "files": save_shards(self.run_dir, done, shards)}
         if self.rank == 0:
             t = self.topology
             record_layout(self.run_dir, done, {"trainer_ranks": t.trainer_ranks, "voting_ranks": t.voting_ranks})
+        if shards and background:
+            self.background = start_shards(self.run_dir, done, shards, state)
+            return None
+        if shards:
+            state[SHARDED] = {"components": sorted(shards), "files": save_shards(self.run_dir, done, shards)}
         return save_rank_state(self.run_dir, done, self.rank, state)
+
+    @property
+    def writing(self) -> bool:
+        """A background save of this rank is still writing its shards."""
+        return self.background is not None and self.background.writing
+
+    def finish_background(self) -> int | None:
+        """Every trainer rank together: complete the background save, if any, waiting for its write;
+        the step of the checkpoint it completed."""
+        if self.background is None:
+            return None
+        pending, self.background = self.background, None
+        state = {**pending.state, SHARDED: {"components": pending.components, "files": finish_shards(pending)}}
+        save_rank_state(self.run_dir, pending.done, self.rank, state)
+        return pending.done
 
 
 class Value:

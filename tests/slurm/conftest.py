@@ -37,24 +37,38 @@ def slurm():
         subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, "RFT_SLURM_DIR": SLURM_DIR})
 
 
+def _another_slurm(suffix: str, settings: dict[str, str]):
+    """A single-node Slurm beside the session's, in RFT_SLURM_DIR + suffix with `settings` (its own
+    ports among them), without accounting; yields the environment a launcher needs to use it."""
+    if shutil.which("slurmctld") is None:
+        if os.geteuid() != 0:
+            pytest.skip("slurm-wlm is not installed and installing needs root: `sudo bash tools/slurm_local.sh install`")
+        subprocess.run(["bash", SCRIPT, "install"], check=True, env={**os.environ, "RFT_SLURM_ACCOUNTING": "0"})
+    slurm_dir = SLURM_DIR + suffix
+    instance = {"RFT_SLURM_DIR": slurm_dir, "RFT_SLURM_ACCOUNTING": "0", **settings}
+    subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, **instance})  # a leftover of an aborted run
+    shutil.rmtree(slurm_dir, ignore_errors=True)  # its saved node state too (a drained node stays drained)
+    subprocess.run(["bash", SCRIPT, "start"], check=True, env={**os.environ, **instance})
+    yield {**os.environ, **instance, "SLURM_CONF": os.path.join(slurm_dir, "slurm.conf")}
+    subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, **instance})
+
+
 @pytest.fixture(scope="module")
 def gpu_slurm_env():
     """A second Slurm beside the session's, on other ports, whose node advertises 2 GPUs (gres on
     stand-in device files: jobs get CUDA_VISIBLE_DEVICES, the ranks still run on CPU) and which has
     no accounting (`sacct` says "Slurm accounting storage is disabled", as on many clusters).
     Yields the environment a launcher needs to use it."""
-    if shutil.which("slurmctld") is None:
-        if os.geteuid() != 0:
-            pytest.skip("slurm-wlm is not installed and installing needs root: `sudo bash tools/slurm_local.sh install`")
-        subprocess.run(["bash", SCRIPT, "install"], check=True, env={**os.environ, "RFT_SLURM_ACCOUNTING": "0"})
-    slurm_dir = SLURM_DIR + "-gpu"
-    instance = {"RFT_SLURM_DIR": slurm_dir, "RFT_SLURMCTLD_PORT": "6827", "RFT_SLURMD_PORT": "6828",
-                "RFT_SLURM_ACCOUNTING": "0", "RFT_SLURM_GPUS": "2"}
-    subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, **instance})  # a leftover of an aborted run
-    shutil.rmtree(slurm_dir, ignore_errors=True)  # its saved node state too (a drained node stays drained)
-    subprocess.run(["bash", SCRIPT, "start"], check=True, env={**os.environ, **instance})
-    yield {**os.environ, **instance, "SLURM_CONF": os.path.join(slurm_dir, "slurm.conf")}
-    subprocess.run(["bash", SCRIPT, "stop"], env={**os.environ, **instance})
+    yield from _another_slurm("-gpu", {"RFT_SLURMCTLD_PORT": "6827", "RFT_SLURMD_PORT": "6828", "RFT_SLURM_GPUS": "2"})
+
+
+@pytest.fixture(scope="module")
+def patient_slurm_env():
+    """A Slurm whose cancel waits 30 s between its SIGTERM and its SIGKILL (KillWait; sites set 30 to
+    120) and whose partition gives preempted jobs 60 s (GraceTime). The session's waits 5 s, which a
+    step and a save fit on an idle machine but not surely under the suite's load."""
+    yield from _another_slurm("-patient", {"RFT_SLURMCTLD_PORT": "6847", "RFT_SLURMD_PORT": "6848",
+                                           "RFT_SLURM_KILL_WAIT": "30", "RFT_SLURM_GRACE_TIME": "60"})
 
 
 @pytest.fixture(scope="session")

@@ -106,13 +106,14 @@ _OWN_INSTANCE = {"tests/slurm/test_multinode.py": "two_nodes", "tests/slurm/test
                  "tests/slurm/test_slurm_preemption.py": "patient_slurm_env"}
 # The second worker's files: tests/unit and tests/dist, then e2e files without timing bounds, which fill
 # that worker's idle end: the doctor, the GPU-list launch, the SmolLM2 conversion, the resharded resumes
-# and rft.export, the final model's checks and mode=bench (these two on the shared quickstart run). In
+# and rft.export, the final model's checks and mode=bench (these two on the shared quickstart run), a
+# sweep launched again (SFT only: no engine, no timeout to meet). In
 # the fresh-clone run of 2026-11-29 the second worker was done after about 1390 s, tests/slurm after
 # 1811 s, and the first worker then ran the other e2e files alone for 1759 s (65 min in all with install)
 _BESIDE_ORDER = ("tests/unit/", "tests/dist/", "tests/e2e/")
 _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
                  "tests/e2e/test_smollm2_prepare.py", "tests/e2e/test_reshard.py", "tests/e2e/test_final_model.py",
-                 "tests/e2e/test_bench.py")
+                 "tests/e2e/test_bench.py", "tests/e2e/test_sweep_relaunch.py")
 
 
 def _unit_of(path: str) -> str:

@@ -69,7 +69,9 @@ def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...
             # GRPO steps train): 64 rows a step, as the quickstart's warm-up had before its recipe
             # went to 256 for learning carries, and one checkpoint at its end, not every SAVE_EVERY
             "stages.0.trainer.sft_batch_size=64", f"++stages.0.trainer.save_interval={SFT_STEPS}",
-            "monitor.plots=false"] + (["cluster.wait=true"] if cluster == "slurm" else [])
+            "monitor.plots=false",
+            # checkpoints written in the background: each fault also lands while one is being written
+            "trainer.async_save=true"] + (["cluster.wait=true"] if cluster == "slurm" else [])
 
 
 def schedule(count: int, kinds: list[str], seed: int, spacing: int = SAVE_EVERY) -> list[tuple[str, int, int | None]]:

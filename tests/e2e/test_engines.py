@@ -88,23 +88,23 @@ def test_a_killed_engine_fails_the_job_fast_naming_it(tmp_path):
 
 
 def test_with_continue_the_engine_left_takes_a_lost_engines_tasks_and_the_run_finishes(tmp_path):
-    """rollout.on_engine_failure=continue: engine 1 (rank 2) is killed by SIGKILL once it has
-    generated the experience of step KILL_AT, before writing it (rft/runtime/faults.py: at that
-    step whatever the machine's speed; a kill timed from the trainer's progress landed a step late
-    under load). The run goes on: engine 0 generates the tasks engine 1 took with it and every later
+    """rollout.on_engine_failure=continue: engine 1 (rank 2) is killed by SIGKILL as it starts
+    generating the experience of step KILL_AT, its tasks dealt (rft/runtime/faults.py: at that step
+    whatever the machine's speed; a kill timed from the trainer's progress landed a step late under
+    load). The run goes on: engine 0 generates the tasks engine 1 took with it and every later
     task, the weight sync reaches it without the lost engine, every step trains, the checkpoints
     after the loss are complete, and the summary says so."""
     sft, grpo, kill_at = 60, 8, 62
     run_dir = tmp_path / "run"
     # the explorer step that writes shard `kill_at` ends with `kill_at + 1` steps done (as faults count)
-    env = {**os.environ, "RFT_FAULTS": f"kill_generation@{kill_at + 1}#2"}
+    env = {**os.environ, "RFT_FAULTS": f"kill_generating@{kill_at + 1}#2"}
     result = launch("+experiment=quickstart", f"run.output_dir={run_dir}", "cluster.rollout_ranks=2",
                     "rollout.on_engine_failure=continue", "trainer.save_interval=2",
                     f"stages.0.trainer.max_steps={sft}", f"stages.1.trainer.max_steps={grpo}", timeout=900, env=env)
     out = " ".join(result.stdout.split())
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert [json.loads(line)["fault"] for line in (run_dir / "faults.jsonl").read_text().splitlines()] == \
-        ["kill_generation"]
+        ["kill_generating"]
     assert "engine 1 lost: rank 2 failed: rollout rank 2 (engine 1) was killed by SIGKILL" in out, out[-3000:]
     assert "engine lost: rollout rank 2 (engine 1) was killed by SIGKILL (signal 9; its memory peaked at" in out
     assert "the run finished on 1 engine(s)" in out, out[-3000:]
@@ -116,7 +116,7 @@ def test_with_continue_the_engine_left_takes_a_lost_engines_tasks_and_the_run_fi
         shards[entry["step"]][entry["producer"]] = (entry["rows"], entry["version"])
     assert sorted(shards) == list(range(sft, sft + grpo))  # every step has experience
     lost_at = min(step for step, by_producer in shards.items() if 2 not in by_producer)
-    assert lost_at == kill_at, sorted((s, sorted(p)) for s, p in shards.items())  # died before writing that step
+    assert lost_at == kill_at, sorted((s, sorted(p)) for s, p in shards.items())  # died generating that step
     for step, by_producer in shards.items():
         assert sum(rows for rows, _ in by_producer.values()) == 32 * 8, (step, by_producer)  # no task lost
         assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)  # synced every step

@@ -14,6 +14,7 @@
 #SBATCH --output=RUN/logs/%j_0_log.out
 #SBATCH --partition=gpu
 #SBATCH --qos=normal
+#SBATCH --requeue
 #SBATCH --reservation=rl
 #SBATCH --signal=USR2@120
 #SBATCH --time=720

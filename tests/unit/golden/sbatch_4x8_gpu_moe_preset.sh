@@ -9,6 +9,7 @@
 #SBATCH --ntasks-per-node=8
 #SBATCH --open-mode=append
 #SBATCH --output=RUN/logs/%j_0_log.out
+#SBATCH --requeue
 #SBATCH --signal=USR2@120
 #SBATCH --time=240
 #SBATCH --wckey=submitit

@@ -192,10 +192,11 @@ def _fresh_sharded_dir(run_dir: str, done: int) -> str:
     return path
 
 
-def _shard_digests(path: str, rank: int) -> dict[str, dict[str, Any]]:
-    """The size and sha256 of each file of the sharded directory this rank wrote (trainer rank 0
-    also the shared metadata)."""
-    mine = sorted(f for f in os.listdir(path) if f.startswith(f"__{rank}_") or (rank == 0 and not f.startswith("__")))
+def shard_digests(path: str, rank: int, own: bool = True, shared: bool = True) -> dict[str, dict[str, Any]]:
+    """The size and sha256 of each file of the sharded directory this rank wrote: its own shards
+    (`own`), and on trainer rank 0 the shared metadata (`shared`)."""
+    mine = sorted(f for f in os.listdir(path) if (own and f.startswith(f"__{rank}_"))
+                  or (shared and rank == 0 and not f.startswith("__")))
     return {f: {"bytes": os.path.getsize(os.path.join(path, f)), "sha256": _sha256(os.path.join(path, f))}
             for f in mine}
 
@@ -223,7 +224,7 @@ def save_shards(run_dir: str, done: int, shards: dict[str, Any]) -> dict[str, di
     path, rank = _fresh_sharded_dir(run_dir, done), dist.get_rank()
     with _shards_written_whole(path, shards, rank, done):
         dist_checkpointing.save(shards, path)
-    return _shard_digests(path, rank)
+    return shard_digests(path, rank)
 
 
 def start_shards(run_dir: str, done: int, shards: dict[str, Any], state: dict[str, Any]) -> BackgroundSave:
@@ -246,7 +247,7 @@ def finish_shards(pending: BackgroundSave) -> dict[str, dict[str, Any]]:
     rank = dist.get_rank()
     with _shards_written_whole(pending.path, pending.shards, rank, pending.done):
         pending.finish()
-    return _shard_digests(pending.path, rank)
+    return {**pending.digests, **shard_digests(pending.path, rank, own=False)}
 
 
 def whole_shards(step_dir: str) -> dict[str, dict[str, Any]]:

@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out:
 
     # hold the write until the trainer has stepped on: what a slow filesystem does
     trained_on = threading.Event()
-    write = FileSystemWriterAsync.write_preloaded_data_multiproc
+    write = FileSystemWriterAsync.write_preloaded_data  # megatron-core's writer of one file
 
     def held_write(*args, **kwargs):
         trained_on.wait(60)
@@ -43,7 +43,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out:
             raise OSError(28, "No space left on device")
         return write(*args, **kwargs)
 
-    FileSystemWriterAsync.write_preloaded_data_multiproc = staticmethod(held_write)
+    FileSystemWriterAsync.write_preloaded_data = staticmethod(held_write)
 
     init_gloo(rank, world, port, 1, 1)
     model, geo = build_gpt_model(model_dir, "float32")

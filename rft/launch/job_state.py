@@ -74,9 +74,10 @@ def stop_local_ranks(processes: list[tuple[int, int, bool]], wait_s: float = 30.
     """After a local job failed or was interrupted: SIGKILL every rank's process group (the rank
     and what it started, vLLM's engine process included: rft/runtime/supervisor.py) and its
     supervising task, and wait until they are gone. submitit's cancel alone left ranks running (a
-    rank ignores SIGTERM, as Slurm's requeue needs): a trainer of the failed launch lived on for
-    half a minute and trained on experience the next launch into the same directory had written;
-    and where submitit killed a task, its rank's vLLM engine lived on. Returns the ranks stopped."""
+    rank takes SIGTERM as a request to save after its step: rft/runtime/preemption.py): a trainer
+    of the failed launch lived on for half a minute and trained on experience the next launch into
+    the same directory had written; and where submitit killed a task, its rank's vLLM engine lived
+    on. Returns the ranks stopped."""
     stopped, pids = set(), []
     for rank, pid, leads in processes:
         try:

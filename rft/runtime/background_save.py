@@ -27,10 +27,10 @@ import functools
 import os
 import queue
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from rft.lazy import lazy_module
-from rft.runtime.checkpoint import shard_digests
 
 torch = lazy_module("torch")
 
@@ -52,8 +52,8 @@ def _staged(buckets: list) -> list:
 def _write_here(async_fn, args: list) -> None:
     """megatron-core's write (`async_fn`: FileSystemWriterAsync.write_preloaded_data_multiproc with
     its transforms), in this thread instead of in processes it forks: a fork shares the trainer's
-    memory copy-on-write, and every page the next optimizer step then writes was copied, which
-    doubled the SmolLM2-135M step on CPU while a checkpoint was written (9.9 -> 19.1 s, measured).
+    memory copy-on-write, and pages the next optimizer step writes are then copied (SmolLM2-135M on
+    2 CPU cores, its 9.5-10 s step during a write: 17.5-19.1 s with forked writers, 14.8-18.2 s here).
     Each bucket goes through its own per-file writer, and the results reach megatron-core's
     finalization through its queue as the forked writers' would."""
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
@@ -80,12 +80,12 @@ class BackgroundSave:
     """One trainer rank's checkpoint `done` being written: `shards` (sharded components, through
     dist_checkpointing into `path`) and `state` (the rank file's other components, copied now)."""
 
-    def __init__(self, path: str, done: int, shards: dict[str, Any], state: dict[str, Any]):
+    def __init__(self, path: str, done: int, shards: dict[str, Any], state: dict[str, Any],
+                 own_digests: Callable[[], dict[str, dict[str, Any]]]):
         from megatron.core import dist_checkpointing
 
-        import torch.distributed as dist
-
-        self.done, self.path, self.shards, self.rank = done, path, shards, dist.get_rank()
+        self.done, self.path, self.shards = done, path, shards
+        self.own_digests = own_digests  # size and sha256 of this rank's files, once written
         self.digests: dict[str, dict[str, Any]] = {}
         self.components = sorted(shards)
         self.state = copy.deepcopy(state)  # as it is now: the trainer goes on changing it
@@ -107,7 +107,7 @@ class BackgroundSave:
             if self.request.async_fn is not None:
                 _write_here(self.request.async_fn, args)
             # checksums of this rank's own files here, not in the completion that every rank waits for
-            self.digests = shard_digests(self.path, self.rank, shared=False)
+            self.digests = self.own_digests()
         except BaseException as err:  # raised on the rank's own thread by finish()
             self.error = err
 

@@ -234,9 +234,9 @@ def start_shards(run_dir: str, done: int, shards: dict[str, Any], state: dict[st
 
     from rft.runtime.background_save import BackgroundSave
 
-    path = _fresh_sharded_dir(run_dir, done)
-    with _shards_written_whole(path, shards, dist.get_rank(), done):
-        return BackgroundSave(path, done, shards, state)
+    path, rank = _fresh_sharded_dir(run_dir, done), dist.get_rank()
+    with _shards_written_whole(path, shards, rank, done):
+        return BackgroundSave(path, done, shards, state, lambda: shard_digests(path, rank, shared=False))
 
 
 def finish_shards(pending: BackgroundSave) -> dict[str, dict[str, Any]]:

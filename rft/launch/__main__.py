@@ -42,12 +42,11 @@ def main(dcfg: DictConfig) -> None:
     except ValueError as err:  # RunDirBusy included
         print(f"rft: config error: {err}", file=sys.stderr)
         sys.exit(2)  # in a sweep: before anything was submitted to Slurm
+    if multirun and (cfg.cluster.kind == "slurm" or attempt):  # which run goes where, resumed or not
+        print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}" + (f": {attempt}" if attempt else ""))
     if multirun and cfg.cluster.kind == "slurm":
         sweep.QUEUED.append((cfg, owner, attempt))  # submitted as one array when the sweep ends (rft/launch/sweep.py)
-        print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}" + (f": {attempt}" if attempt else ""))
         return
-    if multirun and attempt:
-        print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}: {attempt}")
     try:
         code = submit(cfg, owner, attempt)
     finally:

@@ -168,9 +168,10 @@ def kill_delays_s(partition: str | None) -> tuple[int | None, int | None]:
     say. (A QOS's GraceTime, which `sacctmgr show qos` lists, may replace the partition's.)"""
     config = _run(["scontrol", "show", "config"]) or ""
     kill_wait = re.search(r"^KillWait\s*=\s*(\d+)", config, re.MULTILINE)
-    name = partition or (partition_nodes(None) or (None,))[0]
-    listing = (_run(["scontrol", "show", "partition", name]) if name else None) or ""
-    grace = re.search(r"\bGraceTime=(\d+)", listing)
+    # `scontrol -o show partition`: one line per partition, the default one with Default=YES
+    lines = (_run(["scontrol", "-o", "show", "partition"]) or "").splitlines()
+    line = next((p for p in lines if (f"PartitionName={partition} " in p if partition else " Default=YES " in p)), "")
+    grace = re.search(r"\bGraceTime=(\d+)", line)
     return (int(kill_wait.group(1)) if kill_wait else None), (int(grace.group(1)) if grace else None)
 
 

@@ -21,10 +21,8 @@ meanwhile: `_write_here`), and the finalization is a collective the rank's own l
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -98,11 +96,6 @@ class BackgroundSave:
         self._thread.start()
 
     def _write(self, args: list) -> None:
-        # the lowest CPU priority for this thread and the writer processes it forks (Linux nices
-        # threads one by one, and a fork inherits it): where the step runs on the same cores (CPU
-        # training) the writer takes what the trainer leaves, and the step is not slowed by it
-        with contextlib.suppress(OSError, AttributeError):
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
         try:
             if self.request.async_fn is not None:
                 _write_here(self.request.async_fn, args)

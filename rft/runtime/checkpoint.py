@@ -454,9 +454,10 @@ def _save_timing_path(run_dir: str) -> str:
 
 
 def record_save_timing(run_dir: str, done: int, save_s: float, step_s: float | None) -> None:
-    """Rank 0, once checkpoint `done` is complete: how long the save took every rank and how long
-    the step before it took, which is what must fit between Slurm's SIGTERM and its SIGKILL (the
-    launcher's plan compares them with KillWait and GraceTime)."""
+    """Rank 0, once every rank has saved checkpoint `done` (a background save: begun it): how long
+    the ranks waited for the save and how long the step before it took, which is what must fit
+    between Slurm's SIGTERM and its SIGKILL (the launcher's plan compares them with KillWait and
+    GraceTime; a stop saves in the foreground)."""
     from rft.runtime.monitor import write_json_atomic
 
     os.makedirs(checkpoint_root(run_dir), exist_ok=True)

@@ -188,6 +188,21 @@ def job_watch(job, on_slurm: bool, run_dir: str, log_dir: str, world_size: int
     return done, alive
 
 
+def wait_for_saving_ranks(job_id: str, log_dir: str, ranks: list[int], timeout_s: float) -> bool:
+    """After the launcher cancelled a Slurm job: the ranks take scancel's SIGTERM as a request to
+    finish their step, save and stop (rft/runtime/preemption.py). Wait until each of `ranks` has
+    written its result or Slurm no longer lists the job, at most `timeout_s` (Slurm's KillWait, after
+    which it kills them). A launch again into the same directory must not start while the old
+    ranks still write their checkpoint: it would resume from the one before, and the two jobs would
+    write one run. True when they all stopped."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if all(task_result(log_dir, job_id, r) is not None for r in ranks) or _squeue_state(job_id) == "":
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def wait_until_gone(job_id: str, timeout_s: float = 120.0) -> bool:
     """After the ranks returned: wait until Slurm has finished the job too (its epilogue, the
     accounting record), so `cluster.wait=true` exits when `sacct` shows the job ended."""

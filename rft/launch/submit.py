@@ -115,6 +115,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     # SIGTERM (a killed launcher, a test timeout) must not orphan the ranks of a local job.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     done, alive = job_watch(job, on_slurm, cfg.run.output_dir, log_dir, world)
+    failure, interrupted = None, False
     try:
         failure = watch(job, cfg.run.output_dir, log_dir, world, cfg.monitor.progress, done=done, alive=alive,
                         on_slurm=on_slurm, engine_of=losable_engines(topology), name_of=topology.member_name,
@@ -123,9 +124,7 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
                         on_stage_end=lambda stage: draw_plots(cfg, stage))
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the cancel short
-        console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
-                      f"run.output_dir={cfg.run.output_dir} to resume from its newest checkpoint", soft_wrap=True)
-        return 130
+        interrupted = True
     finally:
         cancelled = not done()  # failed, interrupted, or over but for a lost node's ranks
         if cancelled:
@@ -138,10 +137,12 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
                 while not done() and time.monotonic() < deadline:
                     time.sleep(0.1)
                 stop_local_ranks(processes)
-    if failure is not None and failure.stopped:
+    if interrupted:
+        console.print(f"[yellow]interrupted: job {job.job_id} cancelled; launch again with "
+                      f"run.output_dir={cfg.run.output_dir} to resume from its newest checkpoint", soft_wrap=True)
+    elif failure is not None and failure.stopped:
         console.print(f"[yellow]job {job.job_id} stopped: {escape(failure.stopped)}", soft_wrap=True)
-        return 1
-    if failure is not None:
+    elif failure is not None:
         # the reason quotes the rank's error, which may hold brackets (gloo's "[/.../pair.cc:553]")
         # that rich would take for markup
         console.print(f"[red]rank {failure.rank} failed: {escape(failure.reason)}\n  log: {escape(failure.log_path)}",
@@ -149,6 +150,12 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         if on_slurm:  # which node, what else ran there, and what the rank last wrote
             for line in where_it_ran(failure, log_dir, job.job_id, world):
                 console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+    if on_slurm and cancelled and (interrupted or failure is not None):  # not a run over but for a lost engine
+        _let_ranks_save(job.job_id, log_dir, [r for r in range(world) if failure is None or r != failure.rank],
+                        cfg.cluster.partition)
+    if interrupted:
+        return 130
+    if failure is not None:
         return 1
     if on_slurm and not cancelled and not wait_until_gone(job.job_id):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
@@ -170,6 +177,21 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         console.print(f"plots: {', '.join(plots)} (and .svg)", soft_wrap=True, highlight=False)
     console.print(f"outputs: {cfg.run.output_dir}")
     return 0
+
+
+def _let_ranks_save(job_id: str, log_dir: str, ranks: list[int], partition: str | None) -> None:
+    """A cancelled Slurm job's ranks finish their step and save on scancel's SIGTERM: return once they
+    have (a launch again resumes from that checkpoint), at most Slurm's KillWait, when it kills them."""
+    from rft.launch.console import console
+    from rft.launch.job_state import wait_for_saving_ranks
+    from rft.launch.slurm import kill_delays_s
+
+    kill_wait = kill_delays_s(partition)[0]
+    wait_s = (30 if kill_wait is None else kill_wait) + 5  # + slurmd's delivery of the kill
+    console.print(f"[dim]job {job_id}: waiting up to {wait_s} s for its ranks to save and stop", highlight=False)
+    if not wait_for_saving_ranks(job_id, log_dir, ranks, wait_s):
+        console.print(f"[yellow]job {job_id}: ranks still running after {wait_s} s; Slurm ends them (KillWait)",
+                      highlight=False)
 
 
 def losable_engines(topology: Topology) -> dict[int, int]:

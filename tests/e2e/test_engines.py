@@ -37,11 +37,15 @@ def test_two_engines_share_every_step_and_serve_the_same_version(exported_sft_mo
     assert sorted(shards) == list(range(GRPO))
     for step, by_producer in shards.items():
         assert sorted(by_producer) == [1, 2], (step, by_producer)  # both engines wrote the step
-        assert all(rows > 0 for rows, _ in by_producer.values()), (step, by_producer)  # both were dealt tasks
         # both served the weights of the sync before the step (synchronous: the trainer's `step` steps)
         assert {version for _, version in by_producer.values()} == {step}, (step, by_producer)
     rows = [sum(r for r, _ in by_producer.values()) for by_producer in shards.values()]
     assert rows == [32 * 8] * GRPO  # tasks_per_step x group_size: every task once, over both engines
+    # both were dealt tasks. Over the run, not in every step: the dealer is a pull (rft/explorer/dealer.py),
+    # so an engine that comes late to a step is dealt less, none if the other has taken every task by
+    # then (seen on an idle machine: 64 of 256 rows in a step to the slower engine, its first window)
+    per_engine = {p: sum(by_producer[p][0] for by_producer in shards.values()) for p in (1, 2)}
+    assert min(per_engine.values()) >= 32 * 8 // 4, per_engine
     selected = [[{k: v for k, v in row.items() if k.startswith(("step", "selector/"))}
                  for row in map(json.loads, (run_dir / "metrics" / f"rollout{rank}.jsonl").read_text().splitlines())
                  if "selector/tasks_seen" in row] for rank in (1, 2)]

@@ -32,7 +32,8 @@ def _launch(run: Path, model: str, mode: str, faults: str = "") -> subprocess.Po
     return subprocess.Popen(
         [sys.executable, "-m", "rft.launch", "+experiment=quickstart", "cluster=slurm", "cluster.wait=true",
          f"mode={mode}", "sync.decoupled=true", f"buffer.max_staleness={LEAD}", f"trainer.save_interval={SAVE_EVERY}",
-         f"run.output_dir={run}", "model.tiny=null", f"model.path={model}", STAGE, "monitor.progress=false"],
+         f"run.output_dir={run}", "model.tiny=null", f"model.path={model}", STAGE, "monitor.progress=false",
+         "monitor.plots=false"],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "RFT_FAULTS": faults} if faults else None)
 

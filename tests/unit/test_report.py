@@ -90,3 +90,24 @@ def test_a_slurm_rank_that_wrote_no_log_points_at_an_unshared_run_dir(tmp_path, 
     (tmp_path / "79_0_log.out").write_text("submitit INFO - Starting\n")
     failure = find_failure(str(tmp_path), str(tmp_path), "79", 1, alive=lambda rank: False, on_slurm=True)
     assert failure is not None and "wrote no log" not in failure.reason
+
+
+def test_after_a_cancel_the_launcher_waits_for_the_ranks_saving_and_no_longer(tmp_path, monkeypatch):
+    """A cancelled Slurm job's ranks save on its SIGTERM: the launcher returns once each has written
+    its result (a launch again then resumes from that save), and no later than the bound (KillWait)
+    when one never does. No squeue on PATH: the queue says nothing either way."""
+    import threading
+
+    from rft.launch.job_state import wait_for_saving_ranks
+
+    monkeypatch.setenv("PATH", str(tmp_path / "nothing"))
+    now = time.time()
+    _result(tmp_path, "79", 0, "StoppedBySignal: stopped on SIGTERM", now)
+    later = threading.Timer(0.5, _result, (tmp_path, "79", 2, "StoppedBySignal: stopped on SIGTERM", now))
+    later.start()
+    started = time.monotonic()
+    assert wait_for_saving_ranks("79", str(tmp_path), [0, 2], timeout_s=20)
+    assert 0.4 < time.monotonic() - started < 10  # waited for rank 2's save, not for the bound
+    started = time.monotonic()
+    assert not wait_for_saving_ranks("79", str(tmp_path), [0, 1, 2], timeout_s=1.5)  # rank 1 never writes
+    assert 1.5 <= time.monotonic() - started < 5

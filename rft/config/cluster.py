@@ -33,6 +33,7 @@ class ClusterConfig:
     master_port: int = 0  # rendezvous port (0: local: a free one; slurm: derived from the job id)
     rendezvous_addr: Optional[str] = None  # slurm: where ranks reach rank 0 (None: the first node's Slurm NodeAddr)
     wait: bool = False  # slurm: follow the job to its end and exit with its status (local always waits)
+    allocation: Optional[str] = None  # slurm: the id of a job whose allocation the ranks run in, as one step (srun), instead of a new job; cluster=auto sets it inside an allocation (a batch script, salloc's shell)
     partition: Optional[str] = None  # slurm partition (checked with sinfo before submit)
     account: Optional[str] = None  # slurm account to charge
     qos: Optional[str] = None  # slurm quality of service

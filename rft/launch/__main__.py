@@ -44,7 +44,7 @@ def main(dcfg: DictConfig) -> None:
         sys.exit(2)  # in a sweep: before anything was submitted to Slurm
     if multirun and (cfg.cluster.kind == "slurm" or attempt):  # which run goes where, resumed or not
         print(f"rft: sweep run {HydraConfig.get().job.num} -> {cfg.run.output_dir}" + (f": {attempt}" if attempt else ""))
-    if multirun and cfg.cluster.kind == "slurm":
+    if multirun and cfg.cluster.kind == "slurm" and not cfg.cluster.allocation:  # in an allocation: step by step
         sweep.QUEUED.append((cfg, owner, attempt))  # submitted as one array when the sweep ends (rft/launch/sweep.py)
         return
     try:

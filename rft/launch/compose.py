@@ -85,6 +85,8 @@ def configure(dcfg: DictConfig, multirun: bool) -> RFTConfig:
     if cfg.cluster.kind == "auto":
         cfg.cluster.kind, why = resolve_kind(cfg.cluster)
         print(f"rft: cluster=auto -> {cfg.cluster.kind} ({why})")
+    if cfg.cluster.kind == "slurm" and cfg.cluster.allocation:
+        cfg.cluster.wait = True  # a step ends with the srun the launcher starts: it is followed to its end
     for note in (resolve_gpus(cfg), resolve_cpus(cfg) if cfg.cluster.kind == "slurm" else None):
         if note:
             print(f"rft: {note}")

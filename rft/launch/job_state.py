@@ -178,7 +178,11 @@ def job_watch(job, on_slurm: bool, run_dir: str, log_dir: str, world_size: int
     submitit's own `job.done()` runs sacct, which warns on every poll where accounting is off."""
     if not on_slurm:
         return job.done, local_rank_alive(run_dir)
-    alive = slurm_job_alive(job.job_id)
+    # a step of an allocation (rft/launch/steps.py) lives as long as its srun; the allocation's queue
+    # entry outlives it
+    from rft.launch.steps import StepJob
+
+    alive = job.alive if isinstance(job, StepJob) else slurm_job_alive(job.job_id)
 
     def done() -> bool:
         if all(task_result(log_dir, job.job_id, r) is not None for r in range(world_size)):
@@ -188,16 +192,18 @@ def job_watch(job, on_slurm: bool, run_dir: str, log_dir: str, world_size: int
     return done, alive
 
 
-def wait_for_saving_ranks(job_id: str, log_dir: str, ranks: list[int], timeout_s: float) -> bool:
+def wait_for_saving_ranks(job_id: str, log_dir: str, ranks: list[int], timeout_s: float,
+                          gone: Callable[[], bool] | None = None) -> bool:
     """After the launcher cancelled a Slurm job: the ranks take scancel's SIGTERM as a request to
     finish their step, save and stop (rft/runtime/preemption.py). Wait until each of `ranks` has
-    written its result or Slurm no longer lists the job, at most `timeout_s` (Slurm's KillWait, after
-    which it kills them). A launch again into the same directory must not start while the old
+    written its result or Slurm no longer lists the job (`gone()`, when given, says instead), at most
+    `timeout_s` (Slurm's KillWait, after which it kills them). A launch again into the same directory must not start while the old
     ranks still write their checkpoint: it would resume from the one before, and the two jobs would
     write one run. True when they all stopped."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if all(task_result(log_dir, job_id, r) is not None for r in ranks) or _squeue_state(job_id) == "":
+        if all(task_result(log_dir, job_id, r) is not None for r in ranks) or (
+                gone() if gone is not None else _squeue_state(job_id) == ""):
             return True
         time.sleep(0.5)
     return False

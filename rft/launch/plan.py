@@ -53,6 +53,9 @@ def print_plan(cfg: RFTConfig, log_dir: str, attempt: str | None = None) -> None
         table.add_row("engines", engines_line(cfg))
     if cfg.cluster.colocate:
         table.add_row("colocated", colocation_line(cfg))
+    if cfg.cluster.allocation:
+        table.add_row("allocation", f"the ranks run as a step (srun) of job {cfg.cluster.allocation}, on "
+                                    f"{cfg.cluster.nodes} of its nodes; no new job is queued")
     if cfg.cluster.kind == "slurm" and cfg.cluster.nodes > 1:
         table.add_row("nodes", nodes_line(cfg))
     if cfg.cluster.kind == "local" and cfg.cluster.gpus_per_node:

@@ -7,6 +7,7 @@ Everything here runs on the login node before submitting and fails with the key 
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -14,6 +15,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 from typing import Any
 
 from rft.config import ClusterConfig, RFTConfig, config_error, judge_span, world_size
@@ -35,10 +37,18 @@ def slurm_answers() -> bool:
     return shutil.which("sbatch") is not None and _run(["sinfo", "-h", "-o", "%P"]) is not None
 
 
-def allocation_here() -> tuple[str, int] | None:
-    """(job id, its node count) of the Slurm job this launcher runs inside, on one of the job's
-    own nodes (a batch script, `srun --pty`); None elsewhere. salloc's shell has SLURM_JOB_ID too
-    but usually runs on the login node, on none of the job's nodes."""
+@dataclass(frozen=True)
+class Allocation:
+    """The Slurm job the launcher runs inside (a batch script, salloc's shell, `srun --pty`)."""
+
+    job_id: str
+    nodes: int
+    on_its_node: bool  # the launcher runs on one of the job's nodes (salloc's shell usually does not)
+    partition: str | None
+
+
+def allocation_here() -> Allocation | None:
+    """The Slurm job whose environment the launcher runs in (SLURM_JOB_ID), None outside one."""
     import socket
 
     job, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
@@ -46,26 +56,27 @@ def allocation_here() -> tuple[str, int] | None:
         return None
     hosts = (_run(["scontrol", "show", "hostnames", nodelist]) or nodelist).split()
     here = {socket.gethostname(), socket.gethostname().split(".")[0], os.environ.get("SLURMD_NODENAME", "")}
-    if not here & set(hosts):
-        return None
-    return job, int(os.environ.get("SLURM_JOB_NUM_NODES", len(hosts)))
+    return Allocation(job, int(os.environ.get("SLURM_JOB_NUM_NODES", len(hosts))), bool(here & set(hosts)),
+                      os.environ.get("SLURM_JOB_PARTITION"))
 
 
 def resolve_kind(cluster: ClusterConfig) -> tuple[str, str]:
-    """(kind, why) for `cluster=auto`: local inside a one-node Slurm job (its ranks run on the
-    job's node, in its allocation, instead of in a second job queued from inside the first), else
-    slurm when a controller answers, else local. Explicit kinds pass through."""
+    """(kind, why) for `cluster=auto`: local inside a one-node Slurm job on its node (its ranks run
+    there, in its allocation, as a local run); inside any other allocation slurm, as a step of that
+    allocation (`cluster.allocation`, rft/launch/steps.py) instead of a second job queued from inside
+    the first; else slurm when a controller answers, else local. Explicit kinds pass through."""
     if cluster.kind != "auto":
         return cluster.kind, "set"
     inside = allocation_here()
-    if inside is not None and inside[1] == 1:
-        return "local", f"inside Slurm job {inside[0]}, on its node: the ranks run here, in its allocation"
+    if inside is not None and inside.nodes == 1 and inside.on_its_node:
+        return "local", f"inside Slurm job {inside.job_id}, on its node: the ranks run here, in its allocation"
     if slurm_answers():
-        why = "a Slurm controller answers"
-        if inside is not None:
-            why += (f"; inside job {inside[0]} of {inside[1]} nodes the ranks still go to a new job: steps of an "
-                    "allocation of several nodes are not supported yet")
-        return "slurm", why
+        if inside is None:
+            return "slurm", "a Slurm controller answers"
+        cluster.allocation = cluster.allocation or inside.job_id
+        cluster.partition = cluster.partition or inside.partition
+        return "slurm", (f"inside Slurm job {inside.job_id} ({inside.nodes} node(s)): the ranks run as a step of its "
+                         "allocation (srun), not as a new job")
     return "local", "no Slurm controller answers"
 
 
@@ -124,19 +135,57 @@ def check_request(cfg: RFTConfig) -> None:
 
 
 def check_against_cluster(cfg: RFTConfig) -> None:
-    """Partition and GPU count against what `sinfo` reports."""
+    """Partition and GPU count against what `sinfo` reports; nodes, GPUs and CPUs against the
+    allocation's when the ranks run as its step."""
     c = cfg.cluster
     partitions = _run(["sinfo", "-h", "-o", "%P"])
     if partitions is None:
         config_error("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
-    found = partition_nodes(c.partition)  # refuses a partition sinfo does not list, naming the key
-    name, most, cpus = found if found else (c.partition or "(default)", 0, 0)
+    if c.allocation:  # a step takes nodes of the allocation, which has what it has
+        has = int(_job_fields(c.allocation).get("NumNodes", "1").split("-")[0])
+        if c.nodes > has:
+            config_error("cluster.nodes", c.nodes, f"Slurm job {c.allocation}, whose allocation the ranks run in, has "
+                         f"{has} node(s); lower cluster.nodes, or leave cluster.allocation unset to submit a job")
+    found = node_resources(c)  # refuses a partition sinfo does not list, naming the key
+    name, most, cpus = found if found else (f"partition {c.partition or '(default)'}", 0, 0)
     if c.gpus_per_node and c.gpus_per_node > most:
-        config_error("cluster.gpus_per_node", c.gpus_per_node, f"the nodes of partition {name} have at most {most} GPUs")
+        config_error("cluster.gpus_per_node", c.gpus_per_node, f"the nodes of {name} have at most {most} GPUs")
     if cpus and c.cpus_per_task and c.cpus_per_task * tasks_per_node(cfg) > cpus:
         config_error("cluster.cpus_per_task", c.cpus_per_task,
                      f"{tasks_per_node(cfg)} tasks per node x {c.cpus_per_task} CPUs is more than the {cpus} CPUs of "
-                     f"the nodes of partition {name}; lower it, or leave it unset (the node's CPUs over its tasks)")
+                     f"the nodes of {name}; lower it, or leave it unset (the node's CPUs over its tasks)")
+
+
+def node_resources(c: ClusterConfig) -> tuple[str, int, int] | None:
+    """(what they are, GPUs per node, CPUs per node) of the nodes the ranks will run on: those of the
+    allocation when the ranks run as its step (cluster.allocation), else the partition's most GPUs
+    and fewest CPUs (sinfo), named "partition NAME"."""
+    if c.allocation:
+        return allocation_nodes(c.allocation)
+    found = partition_nodes(c.partition)
+    return None if found is None else (f"partition {found[0]}", found[1], found[2])
+
+
+@functools.lru_cache(maxsize=None)
+def _job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol -o show job`'s fields (empty where the controller does not know the job), asked once."""
+    shown = _run(["scontrol", "-o", "show", "job", job_id])
+    return dict(f.split("=", 1) for f in (shown or "").split() if "=" in f)
+
+
+def allocation_nodes(job_id: str) -> tuple[str, int, int]:
+    """("job N's allocation", GPUs per node, CPUs per node) from `scontrol show job` (its CPUs and
+    gres/gpu over its nodes: an allocation of like nodes). A job that is not running has no
+    allocation for a step: a config error naming cluster.allocation."""
+    fields = _job_fields(job_id)
+    if fields.get("JobState") != "RUNNING":
+        config_error("cluster.allocation", job_id, f"Slurm job {job_id} is "
+                     f"{fields.get('JobState', 'unknown to scontrol').lower()}: the ranks can run as a step only of "
+                     "a running job's allocation; leave cluster.allocation unset to submit a job")
+    nodes = max(1, int(fields.get("NumNodes", "1").split("-")[0]))
+    tres = dict(item.split("=", 1) for item in fields.get("TRES", "").split(",") if "=" in item)
+    gpus = int(tres.get("gres/gpu", "0")) // nodes
+    return f"job {job_id}'s allocation", gpus, int(fields.get("NumCPUs", "0")) // nodes
 
 
 def partition_nodes(partition: str | None) -> tuple[str, int, int] | None:
@@ -190,7 +239,7 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
         if c.gpus_per_node == 0 and cfg.model.needs_gpu:
             config_error("cluster.gpus_per_node", 0, f"{needs}: ask for GPUs, e.g. cluster.gpus_per_node=8")
         return None
-    found = partition_nodes(c.partition)
+    found = node_resources(c)
     if found is None:
         config_error("cluster.gpus_per_node", None,
                      f"sinfo does not tell the GPUs of partition {c.partition or '(default)'}; set "
@@ -199,11 +248,11 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
     if most == 0:
         if cfg.model.needs_gpu:
             config_error("cluster.gpus_per_node", None,
-                         f"{needs} but the nodes of partition {name} have none (sinfo lists no gpu gres): pick a "
+                         f"{needs} but the nodes of {name} have none (sinfo lists no gpu gres): pick a "
                          "GPU partition with cluster.partition=NAME, or set cluster.gpus_per_node=N where a "
                          "site's GPUs are not Slurm gres")
         c.gpus_per_node = 0
-        return f"cluster.gpus_per_node=auto -> 0 (partition {name} has CPU nodes)"
+        return f"cluster.gpus_per_node=auto -> 0 ({name} has CPU nodes)"
     gpu_ranks = c.trainer_ranks if c.colocate else world_size(cfg)  # colocated: a rollout rank shares each GPU
     per_node = math.ceil(gpu_ranks / c.nodes)
     each, gpu_each = ("one per trainer rank, shared with a rollout rank", "one GPU per trainer rank, shared with "
@@ -211,10 +260,10 @@ def resolve_gpus(cfg: RFTConfig) -> str | None:
     if per_node > most:
         config_error("cluster.gpus_per_node", None,
                      f"the {gpu_ranks} ranks on cluster.nodes={c.nodes} need {per_node} GPUs per node ({each}) "
-                     f"but the nodes of partition {name} have {most}; raise cluster.nodes, or set "
+                     f"but the nodes of {name} have {most}; raise cluster.nodes, or set "
                      "cluster.gpus_per_node and the ranks yourself")
     c.gpus_per_node = per_node
-    return f"cluster.gpus_per_node=auto -> {per_node} ({gpu_each}; partition {name}'s nodes have {most})"
+    return f"cluster.gpus_per_node=auto -> {per_node} ({gpu_each}; the nodes of {name} have {most})"
 
 
 def resolve_cpus(cfg: RFTConfig) -> str | None:
@@ -224,13 +273,13 @@ def resolve_cpus(cfg: RFTConfig) -> str | None:
     c = cfg.cluster
     if c.cpus_per_task is not None:
         return None
-    found = partition_nodes(c.partition) if c.gpus_per_node else None
+    found = node_resources(c) if c.gpus_per_node else None
     if not found or found[2] < 1:
         c.cpus_per_task = 1
         return None
     name, _, cpus = found
     c.cpus_per_task = max(1, cpus // tasks_per_node(cfg))
-    return (f"cluster.cpus_per_task=auto -> {c.cpus_per_task} (partition {name}'s nodes have {cpus} CPUs, "
+    return (f"cluster.cpus_per_task=auto -> {c.cpus_per_task} (the nodes of {name} have {cpus} CPUs, "
             f"{tasks_per_node(cfg)} tasks per node)")
 
 
@@ -244,7 +293,7 @@ def _gpus_in_gres(gres: str) -> int:
     return total
 
 
-def _setup_lines(c: ClusterConfig) -> list[str]:
+def setup_lines(c: ClusterConfig) -> list[str]:
     lines = list(c.setup)
     lines += [f"export {k}={shlex.quote(str(v))}" for k, v in c.env.items()]
     if c.container_image:
@@ -254,18 +303,34 @@ def _setup_lines(c: ClusterConfig) -> list[str]:
     return lines
 
 
+def rank_python(c: ClusterConfig) -> str:
+    """The command each task runs its rank with: launch/rank.sh, which enters the container when one
+    is configured, then its python (inside the image its own, on the host the launcher's)."""
+    python = "python" if c.container_image else shlex.quote(sys.executable)
+    return f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}"
+
+
+def srun_args(cfg: RFTConfig) -> list[str]:
+    """srun's options for the ranks' step, in a submitted job and in an allocation alike."""
+    args = []
+    if cfg.rollout.on_engine_failure == "continue":
+        # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero,
+        # and Slurm ends a job one of whose nodes fails unless told not to (--no-kill)
+        args += ["--kill-on-bad-exit=0", "--no-kill"]
+    if colocated_on_gpus(cfg):
+        args.append(f"--distribution=plane={cfg.cluster.gpus_per_node}")
+    return args
+
+
 def make_executor(cfg: RFTConfig, folder: str):
-    """submitit's Slurm executor for this request; ranks start through launch/rank.sh, which
-    enters the container when one is configured."""
+    """submitit's Slurm executor for this request (one sbatch job)."""
     import submitit
 
     c = cfg.cluster
-    # inside the image its own python runs; on the host, the launcher's
-    python = "python" if c.container_image else shlex.quote(sys.executable)
-    executor = submitit.SlurmExecutor(folder=folder, python=f"{os.path.join(REPO, 'launch', 'rank.sh')} {python}")
+    executor = submitit.SlurmExecutor(folder=folder, python=rank_python(c))
     params: dict[str, Any] = dict(
         job_name=cfg.run.name, time=c.timeout_min, nodes=c.nodes, ntasks_per_node=tasks_per_node(cfg),
-        cpus_per_task=c.cpus_per_task or 1, setup=_setup_lines(c), signal_delay_s=c.signal_delay_s)
+        cpus_per_task=c.cpus_per_task or 1, setup=setup_lines(c), signal_delay_s=c.signal_delay_s)
     if c.gpus_per_node:
         params["gpus_per_node"] = c.gpus_per_node
     for key in ("partition", "account", "qos", "constraint"):
@@ -274,16 +339,11 @@ def make_executor(cfg: RFTConfig, folder: str):
     if c.mem_gb:
         params["mem"] = f"{c.mem_gb}GB"
     # submitit writes a bare `--requeue` for True and skips False, so the refusal is spelled out
-    extra, srun_args = {"requeue" if c.requeue else "no-requeue": True, **c.sbatch_extra}, []
+    extra = {"requeue" if c.requeue else "no-requeue": True, **c.sbatch_extra}
     if cfg.rollout.on_engine_failure == "continue":
-        # a site's KillOnBadExit=1 would end every task when a lost engine's task exits non-zero,
-        # and Slurm ends a job one of whose nodes fails unless told not to (--no-kill)
-        srun_args += ["--kill-on-bad-exit=0", "--no-kill"]
         extra = {"no_kill": True, **extra}
-    if colocated_on_gpus(cfg):
-        srun_args.append(f"--distribution=plane={c.gpus_per_node}")
-    if srun_args:
-        params["srun_args"] = srun_args
+    if srun_args(cfg):
+        params["srun_args"] = srun_args(cfg)
     if extra:
         params["additional_parameters"] = extra
     executor.update_parameters(**params)

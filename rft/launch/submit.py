@@ -14,6 +14,7 @@ import time
 from omegaconf import OmegaConf
 
 from rft.config import RFTConfig, buffer_dir, world_size
+from rft.launch.steps import StepJob
 from rft.runtime.run_dir import Owner
 from rft.runtime.topology import Topology
 
@@ -150,14 +151,16 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         if on_slurm:  # which node, what else ran there, and what the rank last wrote
             for line in where_it_ran(failure, log_dir, job.job_id, world):
                 console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
+        if isinstance(job, StepJob) and job.srun_said():  # srun's own refusal, e.g. of the step's layout
+            console.print(f"  srun said: {escape(job.srun_said()[-2000:])}", soft_wrap=True, highlight=False)
     if on_slurm and cancelled and (interrupted or failure is not None):  # not a run over but for a lost engine
-        _let_ranks_save(job.job_id, log_dir, [r for r in range(world) if failure is None or r != failure.rank],
+        _let_ranks_save(job, log_dir, [r for r in range(world) if failure is None or r != failure.rank],
                         cfg.cluster.partition)
     if interrupted:
         return 130
     if failure is not None:
         return 1
-    if on_slurm and not cancelled and not wait_until_gone(job.job_id):
+    if on_slurm and not cancelled and not (job.wait(120) if isinstance(job, StepJob) else wait_until_gone(job.job_id)):
         console.print(f"[yellow]the ranks of job {job.job_id} finished but Slurm still lists it after 120 s")
     if cfg.mode == "serve":
         from rft.launch.report import served_line
@@ -179,19 +182,24 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
     return 0
 
 
-def _let_ranks_save(job_id: str, log_dir: str, ranks: list[int], partition: str | None) -> None:
+def _let_ranks_save(job, log_dir: str, ranks: list[int], partition: str | None) -> None:
     """A cancelled Slurm job's ranks finish their step and save on scancel's SIGTERM: return once they
-    have (a launch again resumes from that checkpoint), at most Slurm's KillWait, when it kills them."""
+    have (a launch again resumes from that checkpoint), at most Slurm's KillWait, when it kills them.
+    A step of an allocation (rft/launch/steps.py) gets that SIGTERM through its srun, and no
+    KillWait: it is ended here after the same wait."""
     from rft.launch.console import console
     from rft.launch.job_state import wait_for_saving_ranks
     from rft.launch.slurm import kill_delays_s
 
     kill_wait = kill_delays_s(partition)[0]
     wait_s = (30 if kill_wait is None else kill_wait) + 5  # + slurmd's delivery of the kill
-    console.print(f"[dim]job {job_id}: waiting up to {wait_s} s for its ranks to save and stop", highlight=False)
-    if not wait_for_saving_ranks(job_id, log_dir, ranks, wait_s):
-        console.print(f"[yellow]job {job_id}: ranks still running after {wait_s} s; Slurm ends them (KillWait)",
-                      highlight=False)
+    console.print(f"[dim]job {job.job_id}: waiting up to {wait_s} s for its ranks to save and stop", highlight=False)
+    step = isinstance(job, StepJob)
+    if not wait_for_saving_ranks(job.job_id, log_dir, ranks, wait_s, gone=job.done if step else None):
+        console.print(f"[yellow]job {job.job_id}: ranks still running after {wait_s} s; "
+                      + ("ending its step" if step else "Slurm ends them (KillWait)"), highlight=False)
+        if step:
+            job.kill()
 
 
 def losable_engines(topology: Topology) -> dict[int, int]:
@@ -214,6 +222,13 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     prepare_trackers(cfg)
     # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
     shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
+    if cfg.cluster.allocation:  # inside an allocation: its step, followed to its end (rft/launch/steps.py)
+        from rft.launch.steps import submit_step
+
+        job = submit_step(cfg, _resolved_config(cfg), cfg.cluster.master_port, log_dir)
+        console.print(f"started the ranks as a step of job {job.job_id} ({world_size(cfg)} tasks)\n"
+                      f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err", soft_wrap=True)
+        return follow(job, cfg, log_dir)
     executor, port = _executor(cfg, log_dir)
     (job,) = _submit_jobs(executor, cfg, [_resolved_config(cfg)], port, log_dir)
     console.print(f"submitted job {job.job_id} ({world_size(cfg)} tasks)")

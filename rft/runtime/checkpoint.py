@@ -282,14 +282,19 @@ def _raise_if_no_room(directory: str, nbytes: int, what: str) -> None:
     """After dist_checkpointing failed to write (its writer reports a full disk as a bare position
     mismatch): StorageFullError, as for a rank file, if `nbytes` do not fit in `directory` (a full
     filesystem, a quota, `ulimit -f`); else return and let the caller raise the original error."""
-    os.makedirs(directory, exist_ok=True)
-    probe = os.path.join(directory, f"room-probe.{os.getpid()}")
+    # beside `directory`, not in it: every trainer rank that failed the write probes at once, and
+    # each removes the sharded directory (seen: rank 1's probe removed under it by rank 0, and a
+    # FileNotFoundError said instead of why its write failed)
+    parent = os.path.dirname(directory)
+    os.makedirs(parent, exist_ok=True)
+    probe = os.path.join(parent, f"room-probe.{os.getpid()}")
     try:
         with written_whole_or_not_at_all(probe, what):
             with open(probe, "wb") as f:
                 os.posix_fallocate(f.fileno(), 0, max(nbytes, 1))
     finally:
-        shutil.rmtree(directory, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.remove(probe)
 
 
 def _complete(step_dir: str, ranks: Sequence[int]) -> bool:

@@ -86,11 +86,16 @@ class Topology:
         # rank 0 runs on the first node of the allocation, reached at its cluster address
         # (rft/runtime/rendezvous.py); every task derives the same port from the job id (an array
         # task has its own SLURM_JOB_ID)
-        first_node = env.hostnames[0]
+        # a step's own nodes (srun sets them in every task): a step of an allocation
+        # (rft/launch/steps.py) may run on some of its nodes, not from the first
+        from submitit.slurm.slurm import _parse_node_list  # Slurm's host-list syntax, as submitit reads it
+
+        step_nodes = os.environ.get("SLURM_STEP_NODELIST")
+        first_node = _parse_node_list(step_nodes)[0] if step_nodes else env.hostnames[0]
         addr = rendezvous_address(first_node, cfg.cluster.rendezvous_addr)
         bind_gloo_towards(addr)
         return replace(topology, master_addr=addr, master_node=first_node,
-                       master_port=master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0")))
+                       master_port=master_port or port_for_job(os.environ.get("SLURM_JOB_ID", "0"), _step_id()))
 
     @property
     def world_size(self) -> int:
@@ -209,14 +214,22 @@ def free_port() -> int:
     raise RuntimeError("could not find three consecutive free ports on 127.0.0.1")
 
 
-def port_for_job(job_id: str) -> int:
+def _step_id() -> int:
+    """This task's Slurm step (0 outside one, and for the batch or extern step)."""
+    step = os.environ.get("SLURM_STEP_ID", "0")
+    return int(step) if step.isdigit() else 0
+
+
+def port_for_job(job_id: str, step: int = 0) -> int:
     """The rendezvous port every task of a Slurm job derives alike (the next two are the weight
     and control stores'): spread over 20000-31999 by job id, so jobs sharing a node rarely collide.
     Below Linux's default ephemeral range (32768-60999), where no outgoing connection takes its
     local port: the weight store binds its port only at the first sync, minutes after start, when
     vLLM, NCCL and the store clients hold many ephemeral ports (free_port's reason, for local runs).
-    A fixed range, not each node's ip_local_port_range: every task must derive the same port."""
-    return 20000 + (int(job_id) % 4000) * 3
+    A fixed range, not each node's ip_local_port_range: every task must derive the same port. The
+    step (rft/launch/steps.py: launches inside one allocation, two at once for decoupled jobs) moves
+    it on; a submitted job's ranks are its step 0."""
+    return 20000 + ((int(job_id) + step) % 4000) * 3
 
 
 def init_trainer_group(topology: Topology, timeout_s: float) -> None:

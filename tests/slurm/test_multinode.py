@@ -8,6 +8,7 @@ cannot work failing in seconds with a message that names what to change."""
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -281,6 +282,78 @@ def test_a_sweep_is_one_job_array_whose_runs_land_on_different_nodes(two_nodes, 
     assert sorted(states) == [f"{array_id}_0|COMPLETED", f"{array_id}_1|COMPLETED"], states
 
 
+# the launcher inside an allocation: cluster=auto, as a user types it there
+IN_ALLOCATION = ("+experiment=quickstart", "monitor.progress=false", "monitor.plots=false", "data.eval_limit=8", GRPO)
+
+
+def _jobs_since(env: dict, since: float, job_id: str) -> list[str]:
+    """Every job that ran from `since` (epoch seconds) on, once sacct lists `job_id` (slurmdbd records
+    a job just after it; the deadline only bounds a hang). By time, not id: the accounting database
+    outlives the instance's job ids. sacct -X: the jobs, not their steps."""
+    start = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 1))
+    deadline = time.monotonic() + 120
+    while True:
+        jobs = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "JobID", "-S", start], env=env, capture_output=True,
+                              text=True, check=True).stdout.split()
+        if job_id in jobs or time.monotonic() > deadline:
+            return jobs
+        time.sleep(1)
+
+
+def test_the_launcher_in_a_batch_script_runs_the_ranks_as_a_step_of_its_two_node_job(two_nodes, tmp_path):
+    """A user's sbatch script of two nodes that calls the launcher (cluster=auto): the trainer on
+    node1 and the rollout rank on node2 run as a step of that job, met at node1's address, and no
+    second job is queued; the script ends with the run's status."""
+    run_dir, out = tmp_path / "run", tmp_path / "job.out"
+    launch = shlex.join([sys.executable, "-m", "rft.launch", *IN_ALLOCATION, "cluster.nodes=2", f"run.output_dir={run_dir}"])
+    script = tmp_path / "job.sh"
+    script.write_text(f"#!/bin/bash\ncd {shlex.quote(REPO)}\n{launch}\n")
+    since = time.time()
+    job = subprocess.run(["sbatch", "--parsable", "--wait", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=2",
+                          f"--output={out}", str(script)], env=two_nodes, capture_output=True, text=True, timeout=900)
+    said = out.read_text()
+    assert job.returncode == 0, said[-3000:] + job.stderr
+    job_id = job.stdout.strip()
+    assert (f"rft: cluster=auto -> slurm (inside Slurm job {job_id} (2 node(s)): the ranks run as a step of its "
+            "allocation (srun), not as a new job)") in said, said[:3000]
+    assert f"started the ranks as a step of job {job_id} (2 tasks)" in said
+    plan = " ".join(said.replace("│", " ").split())
+    assert f"the ranks run as a step (srun) of job {job_id}, on 2 of its nodes; no new job is queued" in plan
+    trainer, rollout = _rank_lines(run_dir, job_id, 2)
+    assert trainer.endswith("on node1 (10.213.0.11), rank 0 at 10.213.0.11:" + trainer.rsplit(":", 1)[1])
+    assert "on node2 (10.213.0.12), rank 0 at 10.213.0.11:" in rollout
+    assert json.loads((run_dir / "metrics" / "summary-rank1.json").read_text())["version"] == 2
+    assert _steps_on(two_nodes, job_id) == [f"{job_id}.0|node[1-2]|2|COMPLETED"]
+    assert _jobs_since(two_nodes, since, job_id) == [job_id]  # the batch job alone: no second job was queued
+
+
+def test_the_launcher_in_sallocs_shell_runs_a_step_and_refuses_more_nodes_than_allocated(two_nodes, tmp_path):
+    """`salloc -N1 <launcher>`: salloc runs the launcher here, on none of the job's nodes; the ranks
+    run as a step on the allocated node. Asking for more nodes than the allocation holds is refused
+    before anything starts, naming cluster.nodes."""
+    run_dir = tmp_path / "run"
+    launch = [sys.executable, "-m", "rft.launch", *IN_ALLOCATION, f"run.output_dir={run_dir}"]
+    salloc = ["salloc", "--nodes=1", "--ntasks=2", "--cpus-per-task=1"]
+    refused = subprocess.run([*salloc, *launch, "cluster.nodes=2"], cwd=REPO, env=two_nodes, capture_output=True,
+                             text=True, timeout=300)
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    said = " ".join(refused.stderr.split())
+    assert "rft: config error: cluster.nodes=2 is invalid: Slurm job" in said, said
+    assert "whose allocation the ranks run in, has 1 node(s); lower cluster.nodes" in said, said
+    since = time.time()
+    result = subprocess.run([*salloc, *launch], cwd=REPO, env=two_nodes, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    job_id = result.stdout.split("started the ranks as a step of job ")[1].split()[0]
+    assert "the ranks run as a step of its allocation (srun), not as a new job" in result.stdout
+    trainer, rollout = _rank_lines(run_dir, job_id, 2)
+    node = trainer.split(" on ")[1].split()[0]
+    assert f"{node} (10.213.0.1{node[-1]}), rank 0 at 10.213.0.1{node[-1]}:" in rollout  # one node, met at its address
+    assert json.loads((run_dir / "metrics" / "summary-rank1.json").read_text())["version"] == 2
+    refused_job = re.search(r"Granted job allocation (\d+)", refused.stderr).group(1)
+    # salloc's job alone (the refused launch's allocation may end within the second `since` names)
+    assert set(_jobs_since(two_nodes, since, job_id)) - {refused_job} == {job_id}
+
+
 def test_with_continue_a_lost_rollout_node_leaves_the_run_on_the_other_nodes_engine(two_nodes, tmp_path):
     """rollout.on_engine_failure=continue, one trainer and three engines over two nodes: node1
     runs the trainer and engine 0, node2 engines 1 and 2. node2 crashes after 2 of 6 steps. No
@@ -291,8 +364,11 @@ def test_with_continue_a_lost_rollout_node_leaves_the_run_on_the_other_nodes_eng
     from rft.runtime.pulse import SILENT_S
 
     run_dir, steps = tmp_path / "run", 6
+    # the node is lost by its heartbeats (SILENT_S), not by a timeout; a longer sync.timeout_s lets the three
+    # engines start far apart: under CI's load engine 2's vLLM start came over 30 s after engine 0 had
+    # evaluated its share, whose meeting with it then timed out before any fault
     args = (f"run.output_dir={run_dir}", LONG.replace(f"max_steps: {STEPS}", f"max_steps: {steps}"),
-            f"sync.timeout_s={TIMEOUT_S}", "cluster.rollout_ranks=3", "rollout.on_engine_failure=continue")
+            f"sync.timeout_s={4 * TIMEOUT_S}", "cluster.rollout_ranks=3", "rollout.on_engine_failure=continue")
     try:
         # after 2 steps; the checks below need the crash before engines 1 and 2 write shards of the last
         # step, 3 steps later at the earliest, where the poll (0.2 s) and lose-node (a kill) take a fraction

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from rft.explorer.dealer import Dealer
+from rft.explorer.dealer import Deal, Dealer
 from rft.runtime.membership import MemberLostError, mark_lost
 from rft.runtime.topology import free_port
 
@@ -39,10 +39,27 @@ def _take(dealer: Dealer, batch: str, tasks: int, seconds_per_task: float, taken
 
 
 def test_every_task_is_dealt_once_and_a_slow_engine_gets_fewer():
+    """The slow engine takes its first window before the fast one starts: otherwise, on a loaded
+    machine, its thread started after the fast engine had taken every task (seen in CI: 0 of 64)."""
     stores = _stores(2)
     fast, slow = [], []
-    engines = [threading.Thread(target=_take, args=(Dealer(stores[0], 0, 2, 10.0), "7:0", 64, 0.005, fast)),
-               threading.Thread(target=_take, args=(Dealer(stores[1], 1, 2, 10.0), "7:0", 64, 0.05, slow))]
+    slow_deal = Dealer(stores[1], 1, 2, 10.0).deal("7:0", 64)
+    window_taken = threading.Event()
+    claims = iter(range(slow_deal.window))
+
+    def claim_then_say() -> int:  # the slow engine's claim, saying when its whole first window is taken
+        i = slow_deal.claim()
+        if next(claims, None) == slow_deal.window - 1:
+            window_taken.set()
+        return i
+
+    def fast_engine() -> None:
+        window_taken.wait(10)
+        _take(Dealer(stores[0], 0, 2, 10.0), "7:0", 64, 0.005, fast)
+
+    told = Deal(claim=claim_then_say, window=slow_deal.window)
+    engines = [threading.Thread(target=fast_engine),
+               threading.Thread(target=_take, args=(None, "7:0", 64, 0.05, slow, told))]
     for t in engines:
         t.start()
     for t in engines:

@@ -10,8 +10,9 @@ launch are acted out inside the run by rft/runtime/faults.py (a rank SIGKILLed o
 generation, a train step, a weight sync or a checkpoint save; a checkpoint that finds no room)
 or from outside by this script (every process of the job SIGKILLed: a node failure; SIGUSR2 to
 every rank: the time limit; SIGTERM: a preemption or `scancel`, which on Slurm is a real `scancel`,
-its SIGKILL following after KillWait). A torn shard (`corrupt_shard`) is repaired inside the run, so that
-launch goes on to the next fault. Fault steps come in increasing order, each one past the
+its SIGKILL following after KillWait). A torn shard (`corrupt_shard`) is repaired inside the run, and
+a vLLM engine core SIGKILLed or stopped (`kill_engine`, `stop_engine`) is restarted inside it
+(rollout.on_engine_failure=restart), so that launch goes on to the next fault. Fault steps come in increasing order, each one past the
 checkpoint the launch resumes from, so every launch makes progress.
 
 At the end it checks the run as the tests do: every GRPO step's experience consumed exactly once
@@ -44,12 +45,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 SFT_STEPS, SAVE_EVERY, TIMEOUT_S = 30, 2, 30
+ENGINE_STALL_S = 10  # a stopped engine core is killed and restarted after this long without an answer
 TRAINERS, ROLLOUT = (0, 1), 2  # global ranks: two TP trainer ranks, then the rollout rank
 # fault kind -> the ranks it may hit (None: not one rank); all but corrupt_shard end the launch
 KINDS: dict[str, tuple[int, ...] | None] = {
     "kill_generation": (ROLLOUT,), "kill_train": TRAINERS, "kill_sync": TRAINERS, "kill_save": (*TRAINERS, ROLLOUT),
     "stop_generation": (ROLLOUT,), "stop_train": TRAINERS, "stop_sync": TRAINERS,
-    "file_size_limit": None, "corrupt_shard": None, "job_kill": None, "usr2": None, "term": None}
+    "file_size_limit": None, "corrupt_shard": None, "job_kill": None, "usr2": None, "term": None,
+    "kill_engine": (ROLLOUT,), "stop_engine": (ROLLOUT,)}
 OUTSIDE = ("job_kill", "usr2", "term")  # acted out by this script
 SAVE_STEP_KINDS = ("kill_save", "file_size_limit")  # fire only where a checkpoint is saved
 
@@ -60,7 +63,8 @@ FREE_RUN = ("sync.free_run=true", "buffer.max_staleness=2")
 FREE_RUN_SPACING = SAVE_EVERY + 2
 
 
-def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...] = ()) -> list[str]:
+def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...] = (),
+              restarts: bool = False) -> list[str]:
     return [*extra, "+experiment=quickstart", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
             f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
             f"stages.1.trainer.max_steps={grpo_steps}", "cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2",
@@ -71,7 +75,10 @@ def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...
             "stages.0.trainer.sft_batch_size=64", f"++stages.0.trainer.save_interval={SFT_STEPS}",
             "monitor.plots=false",
             # checkpoints written in the background: each fault also lands while one is being written
-            "trainer.async_save=true"] + (["cluster.wait=true"] if cluster == "slurm" else [])
+            "trainer.async_save=true"] + ([
+            # with kill_engine or stop_engine scheduled: the engine core is restarted in the launch
+            "rollout.on_engine_failure=restart", f"rollout.engine_stall_s={ENGINE_STALL_S}"] if restarts else []) + (
+            ["cluster.wait=true"] if cluster == "slurm" else [])
 
 
 def schedule(count: int, kinds: list[str], seed: int, spacing: int = SAVE_EVERY) -> list[tuple[str, int, int | None]]:
@@ -91,9 +98,10 @@ def schedule(count: int, kinds: list[str], seed: int, spacing: int = SAVE_EVERY)
 
 
 def repaired_inside(kind: str, cluster: str) -> bool:
-    """Faults the run recovers from within the launch: a torn shard is sent again; on Slurm, the
+    """Faults the run recovers from within the launch: a torn shard is sent again; a vLLM engine
+    core killed or stopped is restarted (rollout.on_engine_failure=restart); on Slurm, the
     time-limit signal requeues the job, which resumes by itself."""
-    return kind == "corrupt_shard" or (kind == "usr2" and cluster == "slurm")
+    return kind in ("corrupt_shard", "kill_engine", "stop_engine") or (kind == "usr2" and cluster == "slurm")
 
 
 def progress_step(run_dir: str) -> int:
@@ -230,7 +238,8 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--faults", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--kinds", default=",".join(KINDS), help=f"comma-separated, among {list(KINDS)}")
+    parser.add_argument("--kinds", default=None, help=f"comma-separated, among {list(KINDS)} (default: all; "
+                        "with --free-run all but kill_engine and stop_engine)")
     parser.add_argument("--slurm", action="store_true", help="on the local Slurm (tools/slurm_local.sh), not cluster=local")
     parser.add_argument("--out", default=None, help="where the runs go (default: a new temporary directory)")
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run to compare with")
@@ -238,10 +247,15 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     args = parser.parse_args()
     extra = FREE_RUN if args.free_run else ()
     args.no_reference = args.no_reference or args.free_run
-    kinds = [k for k in args.kinds.split(",") if k]
+    engine_kinds = ("kill_engine", "stop_engine")  # restarts: lockstep runs only
+    every = [k for k in KINDS if not (args.free_run and k in engine_kinds)]
+    kinds = [k for k in (args.kinds or ",".join(every)).split(",") if k]
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         parser.error(f"--kinds: {unknown or 'none given'}; choose among {list(KINDS)}")
+    if args.free_run and set(engine_kinds) & set(kinds):
+        parser.error("--free-run: kill_engine and stop_engine need rollout.on_engine_failure=restart, which "
+                     "free-running runs refuse; leave them out of --kinds")
     from rich.console import Console
     from rich.table import Table
 
@@ -255,6 +269,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     grpo_steps = spacing * args.faults + 4
     cluster = "slurm" if args.slurm else "local"
     planned = schedule(args.faults, kinds, args.seed, spacing)
+    restarts = any(kind in engine_kinds for kind, _, _ in planned)  # rollout.on_engine_failure=restart
     console.print(f"chaos: {args.faults} faults over {grpo_steps} GRPO steps in {run_dir}")
 
     launches, pending = [], list(planned)
@@ -269,7 +284,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
         outside = [(k, s) for k, s, _ in carried if k in OUTSIDE]
         env = {**os.environ, "RFT_FAULTS": ",".join(inside)} if inside else dict(os.environ)
         log = os.path.join(out, f"launch{len(launches):02d}.log")
-        result = launch(overrides(run_dir, grpo_steps, cluster, extra), env, log, outside, run_dir, cluster)
+        result = launch(overrides(run_dir, grpo_steps, cluster, extra, restarts), env, log, outside, run_dir, cluster)
         result["faults"] = carried
         launches.append(result)
         times = fault_times(run_dir)
@@ -318,7 +333,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
 
         reference = os.path.join(out, "reference")
         console.print(f"the uninterrupted run to compare with: {reference}")
-        done = launch(overrides(reference, grpo_steps, cluster), dict(os.environ),
+        done = launch(overrides(reference, grpo_steps, cluster, restarts=restarts), dict(os.environ),
                       os.path.join(out, "reference.log"), [], reference, cluster)
         if done["rc"] != 0:
             raise SystemExit(f"the uninterrupted run failed; see {out}/reference.log")

@@ -20,9 +20,11 @@ def check_serve(cfg: RFTConfig) -> None:
 
 def check_engine_failure(cfg: RFTConfig) -> None:
     policy, span = cfg.rollout.on_engine_failure, cfg.rollout.tensor_parallel_size if cfg.cluster.gpus_per_node else 1
-    if policy not in ("fail", "continue"):
-        config_error("rollout.on_engine_failure", policy, "use fail (a lost engine ends the job) or continue "
-                     "(the other engines take its tasks)")
+    if policy not in ("fail", "continue", "restart"):
+        config_error("rollout.on_engine_failure", policy, "use fail (a lost engine ends the job), continue "
+                     "(the other engines take its tasks) or restart (the engine is started again)")
+    if policy == "restart":
+        check_engine_restart(cfg)
     if policy == "continue" and cfg.mode != "both":
         config_error("rollout.on_engine_failure", policy, f"continue needs a trainer to go on with (mode=both); "
                      f"mode={cfg.mode}'s engines host the job's meetings themselves")
@@ -37,6 +39,35 @@ def check_engine_failure(cfg: RFTConfig) -> None:
                      f"{cfg.sync.engine} on GPUs): a weight broadcast to an engine that died aborts the trainer's "
                      "process (NCCL's watchdog). Use sync.engine=gloo (a lost engine times out instead; slower) "
                      "or sync.engine=checkpoint, or rollout.on_engine_failure=fail")
+
+
+def check_engine_restart(cfg: RFTConfig) -> None:
+    """rollout.on_engine_failure=restart (rft/explorer/engine_restart.py) restarts an engine inside a
+    lockstep run's step: the runs whose engines keep more than their weights, or meet the trainer
+    otherwise, are refused rather than restarted wrongly."""
+    def refuse(key: str, value, why: str) -> None:
+        config_error(key, value, f"rollout.on_engine_failure=restart {why}; use rollout.on_engine_failure=fail "
+                                 "or continue there")
+
+    if cfg.rollout.max_engine_restarts < 1:
+        config_error("rollout.max_engine_restarts", cfg.rollout.max_engine_restarts, "use 1 or more")
+    if not 0 < cfg.rollout.engine_stall_s < cfg.rollout.task_timeout_s:
+        # a stalled engine's requests would time out first, and their samples fail, before it is restarted
+        config_error("rollout.engine_stall_s", cfg.rollout.engine_stall_s, "use a positive number of seconds below "
+                     f"rollout.task_timeout_s ({cfg.rollout.task_timeout_s:g}), above the longest one request takes")
+    if cfg.mode != "both":
+        refuse("mode", cfg.mode, "restarts an engine between the trainer's weight syncs (mode=both)")
+    if cfg.sync.free_run or cfg.sync.decoupled:
+        refuse("sync.free_run" if cfg.sync.free_run else "sync.decoupled", True,
+               "is made for the lockstep schedule, where every step meets the trainer")
+    if cfg.cluster.colocate:
+        refuse("cluster.colocate", True, "would start an engine while the trainer holds the GPU it shares")
+    if sync_engine(cfg.sync, bool(cfg.cluster.gpus_per_node), cfg.cluster.colocate) == "checkpoint":
+        refuse("sync.engine", cfg.sync.engine, "re-forms the weight groups of gloo and nccl only")
+    if cfg.sync.lora == "adapter":
+        refuse("sync.lora", "adapter", "keeps the base weights a restarted engine loads, not the adapter it serves")
+    if cfg.rollout.openai_api:
+        refuse("rollout.openai_api", True, "cannot move an agent's open sessions to the new engine")
 
 
 def check_colocate(cfg: RFTConfig) -> None:

@@ -33,7 +33,9 @@ class RolloutConfig:
     task_timeout_s: float = 600.0  # a workflow try running longer is cancelled (and retried)
     max_retries: int = 1  # tries after the first for a sample whose workflow raised or timed out
     openai_api: bool = False  # every engine also serves vLLM's OpenAI API; rewarded sessions join the step's experience
-    on_engine_failure: str = "fail"  # fail: a lost engine ends the job, naming it | continue: the other engines take its tasks
+    on_engine_failure: str = "fail"  # fail: a lost engine ends the job, naming it | continue: the other engines take its tasks | restart: a dead or stalled vLLM engine is started again on its rank's devices with the weights it served, and its tasks are dealt again (rft/explorer/engine_restart.py)
+    max_engine_restarts: int = 3  # on_engine_failure=restart: restarts each rollout rank may make in a run; one more failure ends the job
+    engine_stall_s: float = 300.0  # on_engine_failure=restart: an engine with requests in flight that finishes none for this long is stalled: killed and restarted (keep it above the longest one request takes, and below task_timeout_s)
     openai_port: int = 0  # engine e listens on openai_port + e (0: any free port); URLs in <run>/endpoints.json
 
 

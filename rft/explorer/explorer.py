@@ -17,6 +17,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -42,19 +43,21 @@ from rft.data.judge_difficulty import (
 from rft.data.selectors import SELECTORS, build_selector
 from rft.data.stage_tasks import read_stage_tasks
 from rft.data.taskset import Task, row_scalars
-from rft.explorer.dealer import Dealer
+from rft.explorer.dealer import Deal, Dealer
+from rft.explorer.engine_restart import EngineRestarts
 from rft.explorer.dynamic_sampling import filter_rows, run_filtered
 from rft.explorer.journal import GenerationJournal, prune_journals
 from rft.explorer.judge import JudgeClient
 from rft.explorer.model_client import Sampling
 from rft.explorer.openai_endpoint import rewarded_experiences, serve_endpoint
-from rft.explorer.runner import Outcome, WorkflowRunner
+from rft.explorer.runner import ENGINE_FAILURES, Outcome, WorkflowRunner
 from rft.explorer.teacher import Teacher, needs_teacher, unscored_rows
 from rft.explorer.vllm_engine import RolloutEngine
 from rft.explorer.workflows import required_columns
 from rft.runtime import faults
 from rft.runtime.colocation import EngineSleep
 from rft.runtime.control import Runtime, Stage, Step
+from rft.runtime.membership import restarts_so_far
 from rft.runtime.monitor import drop_from_step, eval_path
 from rft.runtime.preemption import StopFlag
 from rft.runtime.state import Value
@@ -114,7 +117,8 @@ class Explorer:
             engine.version = self.version.value
         if runtime.resumed_at is not None:
             drop_from_step(eval_path(run_dir), runtime.resumed_at)  # evals after the checkpoint run again
-        self.receiving_from: list[int] | None = None  # the engines of the weight groups this rank joined
+        # the engines of the weight groups this rank joined, and the job's engine restarts when it did
+        self.receiving_from: tuple[list[int], int] | None = None
         self.adapter: dict | None = None  # a LoRA stage's adapter syncs (begin)
         self.engine = topology.engine_index
         self.dealer = Dealer(runtime.group.store, self.engine, topology.engine_count, cfg.sync.timeout_s,
@@ -135,6 +139,7 @@ class Explorer:
         self.replayed = 0  # samples taken from an earlier attempt's generation journal, all steps
         self.resumed = 0  # samples gone on from the tokens an earlier attempt had when stopped, all steps
         self.kept = threading.Event()  # Slurm's stop signal came: the requests in flight were recorded
+        self.restarts = EngineRestarts(cfg, topology, runtime, engines)  # rollout.on_engine_failure=restart
         # a checkpoint covers the steps up to this rank's position: their journals go
         runtime.save_hooks.append(lambda done: prune_journals(cfg.run.output_dir, topology.rank,
                                                               runtime.progress.global_step))
@@ -271,6 +276,8 @@ class Explorer:
             point = {"request": "generating", "kept": "in_flight"}.get(event)
             if point is not None:
                 faults.strike(point, step, rank, run_dir)
+            if event == "recorded":  # a request answered: the engine's own faults
+                faults.strike_engine(step, rank, run_dir, lambda: [pid for e in self.engines for pid in e.core_pids()])
 
         journal = GenerationJournal(run_dir, rank, step, listener=strike)
         for engine in self.engines:
@@ -312,11 +319,19 @@ class Explorer:
                    evaluation: bool = False) -> Outcome:
         """This engine's share of a batch (rft/explorer/dealer.py), and of the tasks an engine lost
         on the way took with it."""
-        outcome = self.runner.run(tasks, samples, sampling, key, batch, evaluation,
-                                  deal=self.dealer.deal(batch, len(tasks)))
+        def run(deal: Callable[[], Deal]) -> Outcome:
+            while True:
+                try:
+                    return self.runner.run(tasks, samples, sampling, key, batch, evaluation, deal=deal())
+                except ENGINE_FAILURES as failure:  # with restart: the engine again, and its share again
+                    if not self.restarts.recover(failure):
+                        raise
+
+        # after a restart the counter goes on: what the dead attempt had taken is dealt again below
+        outcome = run(lambda: self.dealer.deal(batch, len(tasks)))
         again = 0
         while (deal := self.dealer.redeal(f"{batch}/again{again}", len(tasks), outcome.tasks_run)) is not None:
-            outcome.add(self.runner.run(tasks, samples, sampling, key, batch, evaluation, deal=deal))
+            outcome.add(run(lambda: deal))
             again += 1
         if again:
             print(f"engine {self.engine}: an engine was lost in batch {batch}; its tasks were dealt again "
@@ -355,12 +370,15 @@ class Explorer:
         # the engines at the vote before this sync: with rollout.on_engine_failure=continue a lost one
         # is left out, and the groups are opened anew without it (the trainer sees the same vote)
         present = [r for r in self.topology.engine_leaders if r in self.runtime.group.present]
-        if present != self.receiving_from:  # the trainer opens the groups at its first sync, not before
-            layout = sync_layout(self.cfg, self.topology, torch.cuda.is_available(), present)
+        # with restarts, a restarted engine's new process takes its place in new groups (the trainer
+        # reads the same count after the same meeting)
+        restarts = restarts_so_far(self.runtime.group.store) if self.restarts.allowed else 0
+        if (present, restarts) != self.receiving_from:  # the trainer opens the groups at its first sync, not before
+            layout = sync_layout(self.cfg, self.topology, torch.cuda.is_available(), present, restarts)
             first = present.index(self.topology.rank) * self.cfg.rollout.tensor_parallel_size
             for engine in self.engines:
                 engine.open_weight_receiver(layout, first)
-            self.receiving_from = present
+            self.receiving_from = (present, restarts)
         applied = max(engine.receive_weights(adapter=self.adapter, version=version) for engine in self.engines)
         self.version.value = self.engines[0].version
         if self.adapter is not None:

@@ -69,6 +69,7 @@ def run_explorer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: 
         explorer.endpoint.close()
     for engine in engines:
         engine.close()
+    explorer.restarts.close()
     remove_journals(cfg.run.output_dir, topology.rank)  # no step is left to take again
     return runtime.finish({"role": "rollout", "version": explorer.version.value})
 

@@ -122,7 +122,16 @@ class WorkflowRunner:
                 done.append((i, group))
                 outcome.samples += samples
 
-        await asyncio.gather(*(take_tasks() for _ in range(min(deal.window, len(tasks)))))
+        workers = [asyncio.ensure_future(take_tasks()) for _ in range(min(deal.window, len(tasks)))]
+        try:
+            await asyncio.gather(*workers)
+        except BaseException:
+            # one worker's failure (a dead engine) ends the batch here: the others must not go on
+            # claiming tasks and sending requests, to this engine or to one started in its place
+            for worker in workers:
+                worker.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
         for i, experiences in sorted(done, key=lambda d: d[0]):
             outcome.experiences += experiences
             outcome.tasks_run.append(i)

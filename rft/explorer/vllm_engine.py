@@ -139,7 +139,14 @@ class RolloutEngine:
             torch._dynamo.config.disable = True
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
         self.loop, self._own_loop = loop or LoopThread(), loop is None
-        self.llm = self.run(self._start(AsyncEngineArgs(**kwargs)))
+        self._args = AsyncEngineArgs(**kwargs)
+        # rollout.on_engine_failure=restart (rft/explorer/engine_restart.py): where each sync's weights
+        # are kept as they arrive, and what a restarted engine loads: (HF directory, its version) or
+        # None (the model's own weights)
+        self.keep_weights_in: str | None = None
+        self.restore_from: tuple[str, int] | None = None
+        self.last_progress = time.monotonic()  # a request finished, or one came to an idle engine
+        self.llm = self.run(self._start(dataclasses.replace(self._args)))  # its config is built anew
 
     @staticmethod
     async def _start(args):
@@ -193,6 +200,7 @@ class RolloutEngine:
             async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex,
                                                lora_request=self.lora_request):
                 final = out
+            self.last_progress = time.monotonic()
         # vLLM ends a request it aborted with finish_reason "abort" and the tokens sampled so far
         cut = self.cuts != cuts and any(c.finish_reason == "abort" for c in final.outputs)
         return [Completion(token_ids=list(c.token_ids),
@@ -255,10 +263,12 @@ class RolloutEngine:
         from vllm.lora.request import LoRARequest
 
         with self.updating_weights():
-            replies = self.collective_rpc("rft_receive_weights", (apply, adapter, version))
+            replies = self.collective_rpc("rft_receive_weights", (apply, adapter, version, self.keep_weights_in))
             start = time.perf_counter()
             if apply:
                 self.version = int(replies[0][0])
+                if replies[0][3] is not None:  # the copy kept on the way in: a restart loads it
+                    self.restore_from = (replies[0][3], self.version)
                 path = replies[0][2]
                 # a new id per version: vLLM caches adapters by id
                 self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, path) if path else None
@@ -285,12 +295,15 @@ class RolloutEngine:
             self.collective_rpc("rft_load_hf_dir", (path,))
             self.run(self.llm.reset_prefix_cache())
             self.version = self.version if version is None else version
+        self.restore_from = (path, self.version)
 
     @contextlib.asynccontextmanager
     async def request_slot(self):
         """Every request to the engine runs inside one: admitted unless weights are being
         updated, counted while in flight."""
         await self._admitting.wait()
+        if self.in_flight == 0:  # an idle engine owes no progress: the stall clock starts now
+            self.last_progress = time.monotonic()
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -348,8 +361,32 @@ class RolloutEngine:
 
         return self.run(all_of())
 
-    def close(self) -> None:
-        """Stop vLLM's engine core and the event loop."""
+    def core_pids(self) -> list[int]:
+        """The processes of vLLM's engine core (and its workers' with TP > 1) that still live."""
+        with contextlib.suppress(Exception):
+            return [p.pid for p in self.llm.engine_core.resources.engine_manager.processes if p.is_alive()]
+        return []
+
+    def restart(self) -> None:
+        """Start vLLM again with this engine's arguments, after its engine core died or was killed
+        (rft/explorer/engine_restart.py), and serve the weights it served: those kept at the last
+        sync or loaded from a directory (`restore_from`), else the model's own. On the rank's
+        devices: the rank's CUDA_VISIBLE_DEVICES is unchanged."""
+        served = self.version  # keep_weights may have relabelled the weights kept since
+        if self.restore_from is None and served:
+            raise RuntimeError(f"{self.name} cannot be restarted: it serves version {served}, whose weights it "
+                               "did not keep (neither received in this attempt nor loaded from a directory)")
+        self._stop_core()
+        self._admitting.set()
+        self._idle.set()
+        self.in_flight, self.lora_request = 0, None
+        self.llm = self.run(self._start(dataclasses.replace(self._args)))  # its config is built anew
+        self.last_progress = time.monotonic()
+        if self.restore_from is not None:
+            self.load_hf_dir(self.restore_from[0], served)
+
+    def _stop_core(self) -> None:
+        """Stop vLLM's engine core processes and drop the engine."""
         # A CPU engine core holds no device memory, and its graceful exit (finalizing an interpreter
         # with torch loaded, after vLLM's SIGTERM) took 2-3.5 s of every run's end on 2 cores
         # (measured): it is killed after CPU_SHUTDOWN_S. On GPUs vLLM's own grace period stands.
@@ -357,15 +394,18 @@ class RolloutEngine:
 
         # its processes inherited the rank's blocked SIGTERM (rft/runtime/preemption.py), which vLLM's
         # shutdown sends: SIGINT takes them down the same graceful way (vllm/v1/engine/core.py handles both)
-        with contextlib.suppress(Exception):
-            for process in self.llm.engine_core.resources.engine_manager.processes:
-                if process.is_alive():
-                    os.kill(process.pid, signal.SIGINT)
+        for pid in self.core_pids():
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGINT)
         with contextlib.suppress(Exception):
             self.llm.shutdown(timeout=None if torch.cuda.is_available() else CPU_SHUTDOWN_S)
         # drop it now: its __del__ shuts down again, which at interpreter exit fails noisily
         # ("'NoneType' object is not callable") in every rank's log
         self.llm = None
+
+    def close(self) -> None:
+        """Stop vLLM's engine core and the event loop."""
+        self._stop_core()
         if self._own_loop:
             self.loop.close()
 

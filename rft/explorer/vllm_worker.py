@@ -51,21 +51,25 @@ class WeightReceiver:
             _reprocess_tied_layers(model)
         return result, time.perf_counter() - start
 
-    def rft_receive_weights(self, apply: bool = True, adapter: dict | None = None,
-                            version: int | None = None) -> tuple[int, float, str | None]:
-        """Receive one sync and load it; (version, seconds after the last bucket, adapter dir).
-        `version`: the one the trainer publishes now, where the engine can tell (the checkpoint
-        engine's directory may hold newer ones, written before a crash).
+    def rft_receive_weights(self, apply: bool = True, adapter: dict | None = None, version: int | None = None,
+                            keep_in: str | None = None) -> tuple[int, float, str | None, str | None]:
+        """Receive one sync and load it; (version, seconds after the last bucket, adapter dir, the
+        directory of the copy kept). `version`: the one the trainer publishes now, where the
+        engine can tell (the checkpoint engine's directory may hold newer ones, written before a
+        crash). `keep_in` (rollout.on_engine_failure=restart): worker 0 also writes the weights as
+        they arrive to <keep_in>/v<version>, an HF directory a restarted engine loads.
 
         `adapter` (a LoRA stage with sync.lora=adapter: {"dir", "rank", "alpha", "base"}): the sync
         holds PEFT-named adapter tensors, after the stage's base weights when "base" is set; the
         base weights are loaded as usual and the adapter written to <dir>/v<version> for vLLM's
         LoRA (the engine passes it with every request)."""
         if not apply:  # receive and discard: tools/bench_weight_sync.py times the wire alone
-            return (*self.rft_receiver.receive(lambda named: None, version), None)
+            return (*self.rft_receiver.receive(lambda named: None, version), None, None)
         if adapter is None:
-            (got, tail_s), finalize_s = self._rft_reload(lambda lw: self.rft_receiver.receive(lw, version))
-            return got, tail_s + finalize_s, None
+            copy = WeightCopy(keep_in) if keep_in is not None and self.rank == 0 else None
+            (got, tail_s), finalize_s = self._rft_reload(
+                lambda lw: self.rft_receiver.receive(copy.keeping(lw) if copy else lw, version))
+            return got, tail_s + finalize_s, None, copy.commit(got) if copy else None
         lora: dict = {}
 
         def keeping_adapter(load_weights: Callable) -> Callable:
@@ -88,7 +92,7 @@ class WeightReceiver:
         path = os.path.join(adapter["dir"], f"v{got}")
         if self.rank == 0:  # one writer per engine; the engine reads it once every worker returned
             write_peft_adapter(path, lora, adapter["rank"], adapter["alpha"])
-        return got, tail_s + finalize_s, path
+        return got, tail_s + finalize_s, path, None
 
     def rft_load_hf_dir(self, path: str) -> int:
         """Load every tensor of the HF checkpoint in `path` (its *.safetensors); returns how many."""
@@ -118,6 +122,44 @@ class WeightReceiver:
 
         group = self.rft_receiver.groups[0]
         group.broadcast(torch.empty(nbytes, dtype=torch.uint8, device=group.device), "raw bandwidth probe")
+
+
+class WeightCopy:
+    """The weights of one sync written as they arrive, each bucket a safetensors file of HF-named
+    tensors, into <root>/v<version> (a temporary directory renamed into place; the one before
+    removed): what rollout.on_engine_failure=restart loads into a restarted engine (the trainer
+    is not asked to send again, and the version is exactly the one served). The bucket's
+    buffers are reused for the next, so each tensor is copied to host memory first."""
+
+    def __init__(self, root: str):
+        self.root, self.buckets = root, 0
+        self.tmp = os.path.join(root, f"incoming{os.getpid()}")
+        import shutil
+
+        shutil.rmtree(self.tmp, ignore_errors=True)
+        os.makedirs(self.tmp)
+
+    def keeping(self, load_weights: Callable) -> Callable:
+        from safetensors.torch import save_file
+
+        def load(named):
+            named = list(named)
+            save_file({name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in named},
+                      os.path.join(self.tmp, f"bucket{self.buckets:05d}.safetensors"))
+            self.buckets += 1
+            return load_weights(named)
+        return load
+
+    def commit(self, version: int) -> str:
+        import shutil
+
+        path = os.path.join(self.root, f"v{version}")
+        shutil.rmtree(path, ignore_errors=True)
+        os.replace(self.tmp, path)
+        for old in os.listdir(self.root):  # one copy is enough: the newest
+            if old != f"v{version}":
+                shutil.rmtree(os.path.join(self.root, old), ignore_errors=True)
+        return path
 
 
 def write_peft_adapter(path: str, tensors: dict, rank: int, alpha: float) -> None:

@@ -161,6 +161,7 @@ def build_summary(run_dir: str, world_size: int, buffer_root: str | None = None)
             "reward_errors": sum(r.get("reward_errors", 0) for r in rollouts),  # every engine's
             "failed_samples": sum(r.get("failed_samples", 0) for r in rollouts),
             "engines": len(rollouts),
+            "engine_restarts": sum(r.get("engine_restarts", 0) for r in rollouts),  # on_engine_failure=restart
             "engines_lost": trainer.get("engines_lost", {}),  # rank -> how it ended (on_engine_failure=continue)
             "models": trainer.get("models", {}),  # stage -> its final model (an HF directory; trainer.save_model)
             **({"judge": {key: sum(r.get(f"judge_{key}", 0) for r in rollouts) for key in _JUDGE_COUNTS}}
@@ -250,6 +251,9 @@ def print_summary(summary: dict) -> None:
     for rank, how in summary.get("engines_lost", {}).items():
         console.print(f"[yellow]engine lost: {escape(how.split(': ')[0])}; the run finished on {summary['engines']} engine(s)",
                       soft_wrap=True)
+    if summary.get("engine_restarts"):
+        console.print(f"[yellow]engine restarts: {summary['engine_restarts']} (rollout.on_engine_failure=restart); "
+                      "each rank's log says why and how long each took", soft_wrap=True)
     if summary["reward_errors"]:
         console.print(f"[yellow]{summary['reward_errors']} reward calls failed or timed out (scored 0)")
     judge = summary.get("judge")

@@ -11,6 +11,10 @@ environment names what to break, at which step, and optionally on which rank (`#
     RFT_FAULTS=usr2_generating@14#1,kill_in_flight@14#1
                                      rank 1 gets Slurm's stop signal while it generates step 14, and
                                      is SIGKILLed once it recorded its requests in flight
+    RFT_FAULTS=kill_engine@3,stop_engine@6
+                                     the vLLM engine core of the rollout rank is SIGKILLed in step 3
+                                     (a GPU's Xid error), and stopped (a hang) in step 6, each once
+                                     the step's first request is answered and recorded
 
 kill_*, stop_* and usr2_* (the time-limit signal, SIGUSR2) act at a point of a step (`step` as
 checkpoints and logs count it: steps done once it ends): `generation` (an explorer, its rollouts
@@ -19,7 +23,8 @@ sent to the engine), `in_flight` (an explorer, its requests in flight recorded i
 generation journal after a stop signal, rft/explorer/journal.py), `train` (a trainer, its update
 made, its shard not yet committed), `sync` (a trainer, one weight sent or gathered of the step's
 sync; where the step changed no weight and nothing is sent, at its sync point) and `save` (any
-rank, its checkpoint file written, not yet renamed).
+rank, its checkpoint file written, not yet renamed). kill_engine and stop_engine act on the rank's
+vLLM engine core processes, not on the rank (rft/explorer/engine_restart.py restarts them).
 Before acting, the rank appends what it does to `<run>/faults.jsonl` (tools/chaos.py times the
 launcher's reaction from it). A fault fires at most once per process. Why not a mock: the run
 under test is the real one, with real processes, signals and files.
@@ -31,12 +36,15 @@ import json
 import os
 import signal
 import time
+from collections.abc import Callable
 
 POINTS = ("generation", "generating", "in_flight", "train", "sync", "save")
 ACTS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "usr2": signal.SIGUSR2}
+ENGINE_ACTS = {"kill_engine": signal.SIGKILL, "stop_engine": signal.SIGSTOP}  # strike_engine()
 KINDS = ("corrupt_shard",  # rft/buffer/shards.py: ExperienceBuffer.write
          "file_size_limit",  # rft/runtime/checkpoint.py: save_rank_state
-         *(f"{act}_{point}" for act in ACTS for point in POINTS))  # strike()
+         *(f"{act}_{point}" for act in ACTS for point in POINTS),  # strike()
+         *ENGINE_ACTS)
 _fired: set[tuple[str, int]] = set()
 
 
@@ -67,10 +75,24 @@ def strike(point: str, step: int, rank: int, run_dir: str) -> None:
     """At `point` of `step`: if a kill, a stop or a signal is armed here, record it and do it to this process."""
     for act, signum in ACTS.items():
         if armed(f"{act}_{point}", step, rank):
-            with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
-                f.write(json.dumps({"fault": f"{act}_{point}", "step": step, "rank": rank, "pid": os.getpid(),
-                                    "time": time.time()}) + "\n")
+            _record(run_dir, f"{act}_{point}", step, rank, os.getpid())
             os.kill(os.getpid(), signum)
+
+
+def strike_engine(step: int, rank: int, run_dir: str, pids: Callable[[], list[int]]) -> None:
+    """Once a request of `step` is answered: if kill_engine or stop_engine is armed here, record
+    it and do it to the engine core's processes (`pids()`)."""
+    for kind, signum in ENGINE_ACTS.items():
+        if armed(kind, step, rank):
+            targets = pids()
+            _record(run_dir, kind, step, rank, targets[0] if targets else -1)
+            for pid in targets:
+                os.kill(pid, signum)
+
+
+def _record(run_dir: str, fault: str, step: int, rank: int, pid: int) -> None:
+    with open(os.path.join(run_dir, "faults.jsonl"), "a") as f:
+        f.write(json.dumps({"fault": fault, "step": step, "rank": rank, "pid": pid, "time": time.time()}) + "\n")
 
 
 def limit_file_size(max_bytes: int = 1 << 20) -> None:

@@ -33,6 +33,22 @@ class MemberLostError(RuntimeError):
     """A member the run cannot go on without failed or died."""
 
 
+RESTARTS = "rft-engine-restarts"  # the job's engine restarts so far (rollout.on_engine_failure=restart)
+
+
+def count_restart(store: dist.Store) -> None:
+    """An engine restarted (rft/explorer/engine_restart.py): the next sync's weight groups take the
+    new process in its place."""
+    store.add(RESTARTS, 1)
+
+
+def restarts_so_far(store: dist.Store) -> int:
+    """The job's engine restarts so far. Read after a control meeting: every engine that restarted
+    in the step counted itself before it voted, so every member reads the same number and names
+    the next weight groups alike."""
+    return int(store.add(RESTARTS, 0))
+
+
 def mark_lost(store: dist.Store, rank: int, how: str) -> None:
     """Tell the job's meetings that `rank` is gone (`how`: the launcher's line on how it ended)."""
     store.set(f"{LOST}/{rank}", how)

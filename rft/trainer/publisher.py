@@ -38,7 +38,7 @@ class WeightPublisher:
         self.sender = None
         self.cfg, self.topology, self.on_gpu = cfg, topology, on_gpu
         self.layout, self.stage, self.model_path = layout, stage, cfg.model.path
-        self.engines = None  # all of them
+        self.engines: tuple[list[int] | None, int] = (None, 0)  # the groups' engines (None: all), restarts
         self.adapters = None  # a LoRA stage's adapters (rft/trainer/lora.py)
         self.adapter_sync = False  # send them as adapters (sync.lora=adapter), not merged into the weights
         self.base_sent = False  # adapter syncs: the stage's base weights went out (once per stage and attempt)
@@ -46,16 +46,17 @@ class WeightPublisher:
             assert self.exports and ps.get_tensor_model_parallel_rank() == 0, "sender layout != Megatron's"
             self.sender = make_sender(layout, stage, cfg.model.path)
 
-    def publish(self, model, version: int, engines: list[int] | None = None) -> int:
+    def publish(self, model, version: int, engines: list[int] | None = None, restarts: int = 0) -> int:
         """Send the weights as `version` (trainer steps done); returns payload bytes sent by this rank.
         `engines`: the engine leaders to send to, when the job lost some (all by default); the
-        weight groups are opened anew without the lost ones, as the engines do (rft/explorer/explorer.py)."""
+        weight groups are opened anew without the lost ones, as the engines do (rft/explorer/explorer.py),
+        and after `restarts` (the job's engine restarts so far) with the restarted engines' new processes."""
         self.version = version
         if not self.exports:
             return 0
-        if self.sender is not None and engines != self.engines:
-            self.sender.reopen(sync_layout(self.cfg, self.topology, self.on_gpu, engines))
-            self.engines = engines
+        if self.sender is not None and (engines, restarts) != self.engines:
+            self.sender.reopen(sync_layout(self.cfg, self.topology, self.on_gpu, engines, restarts))
+            self.engines = (engines, restarts)
         table, tensors = self._payload(model)
         tensors = self._struck_after_first(tensors, version)
         if self.sender is None:

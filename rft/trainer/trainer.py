@@ -33,7 +33,7 @@ from rft.runtime.checkpoint import Resume, prune, rng_state, seed_all, set_rng_s
 from rft.runtime.colocation import TrainerTurns
 from rft.runtime.control import Runtime, Stage
 from rft.runtime.decoupled import explorer_producers
-from rft.runtime.membership import lost_ranks
+from rft.runtime.membership import lost_ranks, restarts_so_far
 from rft.runtime.preemption import ControlGroup, StopFlag
 from rft.runtime.topology import Topology
 from rft.trainer.batches import DatasetBatches, ExperienceReader, experience_batch
@@ -102,7 +102,8 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                 elif point.publishes:
                     with runtime.timed("sync_s"), turns.publishing(step.global_step):
                         sync_start, sent = time.time(), publisher.publish(model, step.global_step,
-                                                                          present_engines(topology, group))
+                                                                          present_engines(topology, group),
+                                                                          engine_restarts(cfg, group))
                         scalars.update(sync_scalars(sent, time.time() - sync_start))
                     unsent = False
             scalars["timing/step_s"], step_start = time.time() - step_start, time.time()
@@ -134,6 +135,12 @@ def present_engines(topology: Topology, group: ControlGroup) -> list[int] | None
     if not topology.losable_ranks:
         return None
     return [r for r in topology.engine_leaders if r in group.present]
+
+
+def engine_restarts(cfg: RFTConfig, group: ControlGroup) -> int:
+    """The job's engine restarts so far (rollout.on_engine_failure=restart), read after the vote
+    before a sync as the engines read it: a restart's weight groups are formed anew."""
+    return restarts_so_far(group.store) if cfg.rollout.on_engine_failure == "restart" else 0
 
 
 def changed_weights(scalars: dict[str, float]) -> bool:

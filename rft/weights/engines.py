@@ -78,10 +78,13 @@ class SyncLayout:
         return asdict(self)
 
 
-def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[int] | None = None) -> SyncLayout:
+def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[int] | None = None,
+                restarts: int = 0) -> SyncLayout:
     """Weight-sync membership, identical on every rank. `engines`: the engine leaders that take
     part (default: all; rollout.on_engine_failure=continue leaves lost ones out, and the groups
-    without them get their own names).
+    without them get their own names). `restarts`: the job's engine restarts so far
+    (rollout.on_engine_failure=restart): each restart's groups get their own names too, as a new
+    process stands in a restarted engine's place.
 
     Megatron orders ranks tp fastest, then dp, then pp, so stage s's first rank (TP rank 0 of
     DP replica 0) is s x trainer_ranks / pp; it sends that stage. Each rollout rank contributes
@@ -99,7 +102,7 @@ def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
         receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
         checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
-        groups=f"stage-without-{'-'.join(lost)}-" if lost else "stage")
+        groups=(f"stage-without-{'-'.join(lost)}-" if lost else "stage") + (f"-restart{restarts}-" if restarts else ""))
 
 
 class BroadcastSender:

@@ -208,6 +208,27 @@ def test_on_engine_failure_needs_something_to_go_on_with(tmp_path, overrides, wh
     validate(cfg)  # and on GPUs over gloo, where a lost engine times out
 
 
+@pytest.mark.parametrize("overrides, key, says", [
+    (["mode=explore"], "mode", "between the trainer's weight syncs"),
+    (["sync.free_run=true"], "sync.free_run", "lockstep schedule"),
+    (["cluster.colocate=true"], "cluster.colocate", "the GPU it shares"),
+    (["sync.engine=checkpoint"], "sync.engine", "gloo and nccl only"),
+    (["rollout.openai_api=true"], "rollout.openai_api", "open sessions"),
+    (["rollout.max_engine_restarts=0"], "rollout.max_engine_restarts", "1 or more"),
+    # a stalled engine's requests would time out, and their samples fail, before it is restarted
+    (["rollout.engine_stall_s=700"], "rollout.engine_stall_s", "below rollout.task_timeout_s"),
+])
+def test_restarting_engines_is_refused_where_a_restart_would_go_wrong(tmp_path, overrides, key, says):
+    """rollout.on_engine_failure=restart (rft/explorer/engine_restart.py) restarts an engine inside a
+    lockstep step and re-forms gloo or NCCL weight groups: elsewhere it is refused, naming the key."""
+    cfg = compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}",
+                      "rollout.on_engine_failure=restart", *overrides)
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}=.*{says}"):
+        validate(cfg)
+    validate(compose_cfg("+experiment=quickstart", "cluster=local", f"run.output_dir={tmp_path}",
+                         "rollout.on_engine_failure=restart"))  # one engine, lockstep, gloo: accepted
+
+
 @pytest.mark.parametrize("change, says", [
     ({"model_type": "mistral"}, "model_type 'mistral' is not supported; supported: llama, qwen2, qwen3, qwen3_moe"),
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not supported; supported: "

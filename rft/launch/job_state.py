@@ -197,15 +197,15 @@ def wait_for_saving_ranks(job_id: str, log_dir: str, ranks: list[int], timeout_s
     """After the launcher cancelled a Slurm job: the ranks take scancel's SIGTERM as a request to
     finish their step, save and stop (rft/runtime/preemption.py). Wait until each of `ranks` has
     written its result or Slurm no longer lists the job (`gone()`, when given, says instead), at most
-    `timeout_s` (Slurm's KillWait, after which it kills them). A launch again into the same directory must not start while the old
-    ranks still write their checkpoint: it would resume from the one before, and the two jobs would
+    `timeout_s` (Slurm's KillWait, after which it kills them). A launch again into the same
+    directory must not start while the old ranks still write their checkpoint: it would resume from the one before, and the two jobs would
     write one run. True when they all stopped."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if all(task_result(log_dir, job_id, r) is not None for r in ranks) or (
                 gone() if gone is not None else _squeue_state(job_id) == ""):
             return True
-        time.sleep(0.5)
+        time.sleep(1.0)  # one squeue a second at most, as wait_until_gone
     return False
 
 

@@ -142,7 +142,7 @@ def check_against_cluster(cfg: RFTConfig) -> None:
     if partitions is None:
         config_error("cluster.kind", "slurm", "no Slurm controller answers `sinfo`; use `cluster=local`")
     if c.allocation:  # a step takes nodes of the allocation, which has what it has
-        has = int(_job_fields(c.allocation).get("NumNodes", "1").split("-")[0])
+        has = _job_nodes(c.allocation)
         if c.nodes > has:
             config_error("cluster.nodes", c.nodes, f"Slurm job {c.allocation}, whose allocation the ranks run in, has "
                          f"{has} node(s); lower cluster.nodes, or leave cluster.allocation unset to submit a job")
@@ -173,6 +173,11 @@ def _job_fields(job_id: str) -> dict[str, str]:
     return dict(f.split("=", 1) for f in (shown or "").split() if "=" in f)
 
 
+def _job_nodes(job_id: str) -> int:
+    """The job's node count (NumNodes, "2" or a pending job's range "2-4": its least)."""
+    return max(1, int(_job_fields(job_id).get("NumNodes", "1").split("-")[0]))
+
+
 def allocation_nodes(job_id: str) -> tuple[str, int, int]:
     """("job N's allocation", GPUs per node, CPUs per node) from `scontrol show job` (its CPUs and
     gres/gpu over its nodes: an allocation of like nodes). A job that is not running has no
@@ -182,7 +187,7 @@ def allocation_nodes(job_id: str) -> tuple[str, int, int]:
         config_error("cluster.allocation", job_id, f"Slurm job {job_id} is "
                      f"{fields.get('JobState', 'unknown to scontrol').lower()}: the ranks can run as a step only of "
                      "a running job's allocation; leave cluster.allocation unset to submit a job")
-    nodes = max(1, int(fields.get("NumNodes", "1").split("-")[0]))
+    nodes = _job_nodes(job_id)
     tres = dict(item.split("=", 1) for item in fields.get("TRES", "").split(",") if "=" in item)
     gpus = int(tres.get("gres/gpu", "0")) // nodes
     return f"job {job_id}'s allocation", gpus, int(fields.get("NumCPUs", "0")) // nodes

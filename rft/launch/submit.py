@@ -14,7 +14,7 @@ import time
 from omegaconf import OmegaConf
 
 from rft.config import RFTConfig, buffer_dir, world_size
-from rft.launch.steps import StepJob
+from rft.launch.steps import StepJob, submit_step
 from rft.runtime.run_dir import Owner
 from rft.runtime.topology import Topology
 
@@ -151,8 +151,9 @@ def follow(job, cfg: RFTConfig, log_dir: str) -> int:
         if on_slurm:  # which node, what else ran there, and what the rank last wrote
             for line in where_it_ran(failure, log_dir, job.job_id, world):
                 console.print(f"  {escape(line)}", soft_wrap=True, highlight=False)
-        if isinstance(job, StepJob) and job.srun_said():  # srun's own refusal, e.g. of the step's layout
-            console.print(f"  srun said: {escape(job.srun_said()[-2000:])}", soft_wrap=True, highlight=False)
+        said = job.srun_said() if isinstance(job, StepJob) else ""
+        if said:  # srun's own refusal, e.g. of the step's layout
+            console.print(f"  srun said: {escape(said[-2000:])}", soft_wrap=True, highlight=False)
     if on_slurm and cancelled and (interrupted or failure is not None):  # not a run over but for a lost engine
         _let_ranks_save(job, log_dir, [r for r in range(world) if failure is None or r != failure.rank],
                         cfg.cluster.partition)
@@ -223,8 +224,6 @@ def submit(cfg: RFTConfig, owner: Owner, attempt: str | None) -> int:
     # a relaunch into the same dir (to resume): the old ranks' pid files would read as dead ranks
     shutil.rmtree(os.path.join(cfg.run.output_dir, "pids"), ignore_errors=True)
     if cfg.cluster.allocation:  # inside an allocation: its step, followed to its end (rft/launch/steps.py)
-        from rft.launch.steps import submit_step
-
         job = submit_step(cfg, _resolved_config(cfg), cfg.cluster.master_port, log_dir)
         console.print(f"started the ranks as a step of job {job.job_id} ({world_size(cfg)} tasks)\n"
                       f"logs: {log_dir}/{job.job_id}_<rank>_log.out|err", soft_wrap=True)

@@ -30,12 +30,12 @@ def test_gpus_per_node_from_sinfo_and_accounting_warnings_not_repeated(gpu_slurm
                     env=gpu_slurm_env, timeout=900)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    assert "cluster.gpus_per_node=auto -> 2 (one GPU per rank; partition debug's nodes have 2)" in result.stdout
+    assert "cluster.gpus_per_node=auto -> 2 (one GPU per rank; the nodes of partition debug have 2)" in result.stdout
     job_id = result.stdout.split("submitted job ")[1].split()[0]
     script = (run_dir / "logs" / f"{job_id}_submission.sh").read_text()
     assert "--gpus-per-node=2" in script and "--ntasks-per-node=2" in script
     # the node advertises 4 CPUs (tools/slurm_local.sh's floor): 2 per task, not 1 for a vLLM engine and its rewards
-    assert "cluster.cpus_per_task=auto -> 2 (partition debug's nodes have 4 CPUs, 2 tasks per node)" in result.stdout
+    assert "cluster.cpus_per_task=auto -> 2 (the nodes of partition debug have 4 CPUs, 2 tasks per node)" in result.stdout
     assert "--cpus-per-task=2" in script
     assert output.count("accounting storage is disabled") <= 1
     assert "rft run summary" in result.stdout

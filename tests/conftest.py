@@ -5,9 +5,15 @@ test file."""
 import os
 import signal
 
-import pytest
+# Before anything imports torch (OpenMP reads it once, at load): the suite's processes (xdist's
+# workers, the dist tests' preloaded ranks) let idle OpenMP threads sleep, as a launch does for
+# ranks without GPUs (rft/launch/submit.py, _idle_threads_sleep): two workers share 2 cores, and
+# spinning threads of one took the cores the other's work needed.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch
+import pytest  # noqa: E402
+
+from tests.e2e.helpers import QUICKSTART_GRPO_STEPS, QUICKSTART_SFT_STEPS, launch  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GSM8K_DIR = os.environ.get("RFT_GSM8K_DIR") or os.path.join(os.path.dirname(REPO), "shared", "data", "gsm8k")
@@ -107,13 +113,18 @@ _OWN_INSTANCE = {"tests/slurm/test_multinode.py": "two_nodes", "tests/slurm/test
 # The second worker's files: tests/unit and tests/dist, then e2e files without timing bounds, which fill
 # that worker's idle end: the doctor, the GPU-list launch, the SmolLM2 conversion, the resharded resumes
 # and rft.export, the final model's checks and mode=bench (these two on the shared quickstart run), a
-# sweep launched again (SFT only: no engine, no timeout to meet). In
-# the fresh-clone run of 2026-11-29 the second worker was done after about 1390 s, tests/slurm after
-# 1811 s, and the first worker then ran the other e2e files alone for 1759 s (65 min in all with install)
+# sweep launched again (SFT only: no engine, no timeout to meet), and launches whose checks are of
+# results, not of time (learning, exact resume, the first-contact refusals). In the CI run of e28dc55
+# the second worker was done after about 2100 s and the first after 4040 s (72 min in all with
+# install); the files moved here since took about 660 s there. With the ranks' OpenMP threads asleep
+# when idle (OMP_WAIT_POLICY above), two launches side by side no longer starve each other.
 _BESIDE_ORDER = ("tests/unit/", "tests/dist/", "tests/e2e/")
 _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
                  "tests/e2e/test_smollm2_prepare.py", "tests/e2e/test_reshard.py", "tests/e2e/test_final_model.py",
-                 "tests/e2e/test_bench.py", "tests/e2e/test_sweep_relaunch.py")
+                 "tests/e2e/test_bench.py", "tests/e2e/test_sweep_relaunch.py", "tests/e2e/test_data_pipeline.py",
+                 "tests/e2e/test_first_contact.py", "tests/e2e/test_quickstart.py", "tests/e2e/test_free_run.py",
+                 "tests/e2e/test_distillation.py", "tests/e2e/test_algorithm_presets_run.py", "tests/e2e/test_async.py",
+                 "tests/e2e/test_ppo_resume.py")
 
 
 def _unit_of(path: str) -> str:
@@ -199,11 +210,15 @@ def pytest_collection_modifyitems(config, items):
 # Seconds spent per test file (setup, call and teardown together): the suite must stay within CI's
 # hour on 2 cores, and --durations alone lists single tests, not where a file's time adds up.
 _SECONDS_BY_FILE: dict[str, float] = {}
+_SECONDS_BY_WORKER: dict[str, float] = {}  # how the split below the scheduler shares the hour out
 
 
 def pytest_runtest_logreport(report):
     path = report.nodeid.split("::", 1)[0]
     _SECONDS_BY_FILE[path] = _SECONDS_BY_FILE.get(path, 0.0) + report.duration
+    worker = getattr(getattr(report, "node", None), "gateway", None)
+    if worker is not None:
+        _SECONDS_BY_WORKER[worker.id] = _SECONDS_BY_WORKER.get(worker.id, 0.0) + report.duration
 
 
 def pytest_sessionfinish(session):
@@ -227,3 +242,5 @@ def pytest_terminal_summary(terminalreporter):
         folder = os.path.dirname(path)
         by_folder[folder] = by_folder.get(folder, 0.0) + seconds
     terminalreporter.write_line("  ".join(f"{folder}: {seconds:.0f} s" for folder, seconds in sorted(by_folder.items())))
+    if _SECONDS_BY_WORKER:
+        terminalreporter.write_line("  ".join(f"worker {w}: {s:.0f} s" for w, s in sorted(_SECONDS_BY_WORKER.items())))

@@ -22,3 +22,20 @@ def test_threads_follow_the_process_cpu_set_halved_when_roles_run_at_once():
     assert rank_threads(cfg) == max(1, len(allowed) // 2)
     cfg.trainer.threads = 3
     assert rank_threads(cfg) == 3
+
+
+def test_idle_openmp_threads_sleep_in_ranks_without_gpus_unless_the_user_set_a_policy(monkeypatch):
+    from rft.launch.submit import _idle_threads_sleep
+
+    cfg = RFTConfig()
+    cfg.cluster.gpus_per_node = 0
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    _idle_threads_sleep(cfg)
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")  # the user's own choice stays
+    _idle_threads_sleep(cfg)
+    assert os.environ["OMP_WAIT_POLICY"] == "ACTIVE"
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    cfg.cluster.gpus_per_node = 4  # GPU ranks: their CPU threads mostly feed the GPU; left to OpenMP's default
+    _idle_threads_sleep(cfg)
+    assert "OMP_WAIT_POLICY" not in os.environ

@@ -29,7 +29,15 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("Qwen2", qkv_bias=True, qk_norm=False),
     "qwen3": Family("Qwen3", qkv_bias=None, qk_norm=True),
     "qwen3_moe": Family("Qwen3-MoE", qkv_bias=None, qk_norm=True, moe=True),
+    # Qwen2.5-VL's language model: Qwen2's layers with multimodal RoPE (`mrope_section`)
+    "qwen2_5_vl_text": Family("Qwen2.5-VL", qkv_bias=True, qk_norm=False),
 }
+
+# Vision-language models (model_type -> the model_type of their language model): a vision tower
+# whose image features take the place of image tokens in the language model's input embeddings
+# (rft/trainer/vision.py). transformers 5 nests the language model's settings under `text_config`;
+# checkpoints on the Hub written before it keep them at the top level, beside `vision_config`.
+VISION_LANGUAGE = {"qwen2_5_vl": "qwen2_5_vl_text"}
 
 # RoPE variants as transformers names them (`rope_type`); "default" is plain RoPE. "dynamic" is
 # left out on purpose: transformers rescales its frequencies only past the original context
@@ -42,9 +50,33 @@ def _get(config: Any, key: str, default: Any = None) -> Any:
     return config.get(key, default) if isinstance(config, dict) else getattr(config, key, default)
 
 
+def language_config(config: Any) -> Any:
+    """The language model's settings of a config.json (dict or transformers config): a
+    vision-language model's `text_config` (or, in the Hub's older layout, its top level under the
+    language model's model_type); any other model's config itself."""
+    model_type = _get(config, "model_type")
+    if model_type not in VISION_LANGUAGE:
+        return config
+    if not isinstance(config, dict):
+        return config.get_text_config()
+    text = config.get("text_config") or {k: v for k, v in config.items() if k != "vision_config"}
+    return {**text, "model_type": VISION_LANGUAGE[model_type]}
+
+
+def is_vision_language(config: Any) -> bool:
+    return _get(config, "model_type") in VISION_LANGUAGE
+
+
+def mrope_section(config: Any) -> tuple[int, ...]:
+    """Multimodal RoPE's split of a head's rotary frequencies between the temporal, height and
+    width positions (Qwen2.5-VL), or () for plain RoPE."""
+    return tuple(rope_parameters(language_config(config)).get("mrope_section") or ())
+
+
 def family(config: Any) -> Family:
     """The Family of a config.json (dict or transformers config); ValueError naming the
     model_type and the supported ones otherwise."""
+    config = language_config(config)
     model_type = _get(config, "model_type")
     if model_type not in FAMILIES:
         raise ValueError(f"model_type {model_type!r} is not supported; supported: {', '.join(FAMILIES)}")
@@ -86,6 +118,8 @@ def rope_parameters(config: Any) -> dict[str, Any]:
         scaling["rope_type"] = scaling.pop("type")
     merged = {**scaling, **{k: v for k, v in found.items() if v is not None}}
     merged.setdefault("rope_type", scaling.get("rope_type", "default"))
+    if merged["rope_type"] == "mrope":  # older Qwen2.5-VL configs: plain RoPE frequencies, split three ways
+        merged["rope_type"] = "default"
     theta = merged.get("rope_theta", _get(config, "rope_theta"))
     merged["rope_theta"] = float(DEFAULT_ROPE_THETA if theta is None else theta)
     return merged

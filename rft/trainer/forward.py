@@ -41,6 +41,9 @@ class Microbatch:
     # routing replay: the experts each token goes to, [layers, tokens, k] in the routers' order
     # (rft/trainer/routing_replay.py); None: the routers choose
     expert_routes: torch.Tensor | None = None
+    # a vision-language model's images (rft/trainer/vision.py), in the order of their image tokens;
+    # position_ids are then multimodal RoPE's [3, b, s]
+    images: object | None = None
 
     def rows(self, values: torch.Tensor) -> torch.Tensor:
         """Per-target values [b, s-1] of the model's layout in the padded layout (0 on padding)."""
@@ -75,15 +78,44 @@ def sequence_multiple(model) -> int:
 
 def pack_microbatch(prompts: list[list[int]], responses: list[list[int]], pad_id: int,
                     device: torch.device, response_masks: list[list[int]] | None = None,
-                    packed: bool = False, multiple_of: int = 1, routes: list | None = None) -> Microbatch:
+                    packed: bool = False, multiple_of: int = 1, routes: list | None = None,
+                    images: list | None = None, mrope: tuple[int, int] | None = None) -> Microbatch:
     """Prompt + response per sequence, right-padded (or, `packed`, back to back in one row), the
     row's length padded up to `multiple_of` (`sequence_multiple`). `routes`: each sequence's
-    routed experts [tokens, layers, k] to replay (routing_replay.py)."""
+    routed experts [tokens, layers, k] to replay (routing_replay.py). `mrope` (a vision-language
+    model's image token id and merge size): multimodal RoPE positions, and `images` each
+    sequence's `ImageInputs` or None (rft/trainer/vision.py)."""
     mb = _laid_out(prompts, responses, pad_id, device, response_masks, packed, multiple_of)
     if routes is not None:
         mb.expert_routes = microbatch_routes(routes, [len(p) + len(r) for p, r in zip(prompts, responses)],
                                              mb.input_ids.shape[1], packed, device)
+    if mrope is not None:
+        _with_images(mb, [p + r for p, r in zip(prompts, responses)], images or [None] * len(prompts), *mrope)
     return mb
+
+
+def _with_images(mb: Microbatch, sequences: list[list[int]], images: list, image_token_id: int,
+                 merge_size: int) -> None:
+    """Multimodal RoPE positions [3, b, s] in `mb`'s layout (each sequence's from 0; padding and a
+    packed row's filler count on from 0, as in the 1D layout) and its sequences' images, joined."""
+    from rft.trainer.vision import ImageInputs, mrope_positions
+
+    per_sequence = [mrope_positions(ids, [tuple(g) for g in (im.grid_thw.tolist() if im is not None else [])],
+                                    image_token_id, merge_size) for ids, im in zip(sequences, images)]
+    width = mb.input_ids.shape[1]
+    if mb.packed_seq_params is None:
+        positions = mb.position_ids.cpu()[None].repeat(3, 1, 1)
+        for row, found in enumerate(per_sequence):
+            positions[:, row, : found.shape[1]] = found
+    else:
+        joined = torch.cat(per_sequence, dim=1)
+        filler = torch.arange(width - joined.shape[1]).expand(3, -1)
+        positions = torch.cat([joined, filler], dim=1)[:, None, :]
+    mb.position_ids = positions.contiguous().to(mb.input_ids.device)
+    present = [im for im in images if im is not None]
+    if present:
+        mb.images = ImageInputs(torch.cat([im.pixel_values for im in present]),
+                                torch.cat([im.grid_thw for im in present])).to(mb.input_ids.device)
 
 
 def _laid_out(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device,
@@ -275,7 +307,7 @@ def model_forward(model, mb: Microbatch, response_only: bool = False, fused_chun
             replaying(model, mb.expert_routes):
         # attention is causal by construction (rft/trainer/attention.py): no mask to build or pass
         out = model(input_ids=mb.input_ids, position_ids=mb.position_ids, attention_mask=None,
-                    packed_seq_params=mb.packed_seq_params)
+                    packed_seq_params=mb.packed_seq_params, **({"images": mb.images} if mb.images is not None else {}))
     real_vocab = getattr(model, "real_vocab_size", None)
     if not model.post_process or real_vocab is None or fused:
         return out

@@ -16,7 +16,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from rft.models.families import rope_frequencies
+from rft.models.families import language_config, rope_frequencies
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
 from rft.trainer.moe import forget_replay_registry, moe_config
 from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
@@ -129,11 +129,12 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     from megatron.core.transformer import TransformerConfig
     from transformers import AutoConfig
 
-    hf = AutoConfig.from_pretrained(hf_path)
+    whole = AutoConfig.from_pretrained(hf_path)
     try:
-        geo = Geometry.from_hf(hf)
+        geo = Geometry.from_hf(whole)
     except ValueError as err:
         raise ValueError(f"model.path={hf_path!r}: {err}") from None
+    hf = language_config(whole)  # a vision-language model's language model (rft/trainer/vision.py)
     inv_freq, attention_scaling = rope_frequencies(hf)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -191,6 +192,7 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
         calculate_per_token_loss=True,
         **RECOMPUTE[recompute],
         **experts,
+        **({"mrope_section": list(geo.mrope_section)} if geo.mrope_section else {}),
     )
     # microbatches differ in length and rows: pipeline stages send a shape before each hidden
     # state. Set after construction: TransformerConfig refuses it with its default MoE token
@@ -198,8 +200,14 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     config.variable_seq_lengths = True
     tied = geo.tied_embeddings if tie_embeddings is None else tie_embeddings
     chunks = []
+    model_class, vision = GPTModel, {}
+    if geo.vision:
+        from rft.trainer.vision import VisionLanguageGPT
+
+        model_class, vision = VisionLanguageGPT, {"vision_config": whole.vision_config,
+                                                  "image_token_id": whole.image_token_id}
     for vp_stage in range(vpp) if vpp > 1 else [None]:
-        chunk = GPTModel(
+        chunk = model_class(
             config=config,
             transformer_layer_spec=block_spec(config, geo.qk_norm, vp_stage),
             vocab_size=padded_vocab(geo.vocab_size, tp),
@@ -208,9 +216,10 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             parallel_output=True,
             share_embeddings_and_output_weights=tied,
-            position_embedding_type="rope",
+            position_embedding_type="mrope" if geo.mrope_section else "rope",
             rotary_base=geo.rope_theta,
             vp_stage=vp_stage,
+            **vision,
         )
         chunk.real_vocab_size = geo.vocab_size  # logits beyond it are padding (forward.model_forward)
         chunk.logprob_chunk = logprob_chunk  # read by the policy's head (pipeline.policy_head)

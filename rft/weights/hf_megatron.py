@@ -35,7 +35,16 @@ from dataclasses import dataclass
 
 import torch
 
-from rft.models.families import check_rope, family, has_qkv_bias, moe_layers, num_experts, rope_parameters
+from rft.models.families import (
+    check_rope,
+    family,
+    has_qkv_bias,
+    language_config,
+    moe_layers,
+    mrope_section,
+    num_experts,
+    rope_parameters,
+)
 
 
 @dataclass(frozen=True)
@@ -59,11 +68,17 @@ class Geometry:
     moe_topk: int = 0  # experts each token is routed to
     moe_ffn_hidden_size: int = 0  # one expert's intermediate size
     moe_norm_topk: bool = True  # the top-k routing weights renormalised to sum to 1
+    mrope_section: tuple[int, ...] = ()  # multimodal RoPE (Qwen2.5-VL): the rotary split over (t, h, w)
+    vision: bool = False  # a vision tower in front (HF `visual.*`, Megatron `vision.*`, whole on every rank)
 
     @staticmethod
     def from_hf(hf_config) -> "Geometry":
         """The shapes of an HF config (transformers' object); ValueError for an architecture or a
-        RoPE variant rft does not support (rft/models/families.py)."""
+        RoPE variant rft does not support (rft/models/families.py). A vision-language model's
+        are its language model's, with its vision tower beside them."""
+        vision = language_config(hf_config) is not hf_config
+        mrope = mrope_section(hf_config)
+        hf_config = language_config(hf_config)
         fam = family(hf_config)
         heads = hf_config.num_attention_heads
         return Geometry(
@@ -83,6 +98,8 @@ class Geometry:
             moe_topk=int(getattr(hf_config, "num_experts_per_tok", 0) or 0),
             moe_ffn_hidden_size=int(getattr(hf_config, "moe_intermediate_size", 0) or 0),
             moe_norm_topk=bool(getattr(hf_config, "norm_topk_prob", True)),
+            mrope_section=mrope,
+            vision=vision,
         )
 
 
@@ -150,9 +167,14 @@ def renumber_expert(megatron_name: str, index: int) -> str:
     return _EXPERT.sub(f".mlp.experts.local_experts.{index}.", megatron_name)
 
 
+# A vision tower's parameters: transformers' module, its names under HF's `visual.` (the Hub's
+# checkpoint layout) and the trainer's `vision.` (rft/trainer/vision.py), whole on every TP rank
+HF_VISION, VISION = "visual.", "vision."
+
+
 def tp_split_dim(megatron_name: str) -> int | None:
-    if expert_index(megatron_name) is not None:
-        return None  # experts are whole on every rank (expert TP 1)
+    if expert_index(megatron_name) is not None or megatron_name.startswith(VISION):
+        return None  # experts are whole on every rank (expert TP 1); so is a vision tower
     for suffix, dim in _TP_DIM.items():
         if megatron_name.endswith(suffix):
             return dim
@@ -196,6 +218,8 @@ def hf_to_megatron_full(hf: dict[str, torch.Tensor], g: Geometry, tp: int) -> di
     out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
     if not g.tied_embeddings:
         out["output_layer.weight"] = pad_vocab(hf["lm_head.weight"])
+    if g.vision:
+        out.update((VISION + name[len(HF_VISION):], t) for name, t in hf.items() if name.startswith(HF_VISION))
     return out
 
 
@@ -211,6 +235,9 @@ def megatron_full_to_hf(name: str, full: torch.Tensor, g: Geometry,
         return
     if name == "decoder.final_layernorm.weight":
         yield "model.norm.weight", full
+        return
+    if name.startswith(VISION):
+        yield HF_VISION + name[len(VISION):], full
         return
     parts = name.split(".")
     layer, rest = parts[2], ".".join(parts[3:])

@@ -19,6 +19,7 @@ from rft.trainer.forward import Microbatch, pack_microbatch, sequence_multiple
 from rft.trainer.microbatches import pair_microbatches
 from rft.trainer.pipeline import forward_logprobs_pipelined
 from rft.trainer.step_batch import StepBatch
+from rft.trainer.vision import mrope_of
 from rft.trainer.train_step import _dp, backward_and_step, step_scalars
 
 
@@ -35,7 +36,8 @@ def dpo_step(model, optimizer, ref_model, batch: StepBatch, algo: AlgorithmConfi
     device = next(model.parameters()).device
     packed = max_tokens_per_microbatch > 0
     mbs = [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx], pad_id, device,
-                           packed=packed, multiple_of=sequence_multiple(model)) for idx in chunks]
+                           packed=packed, multiple_of=sequence_multiple(model), mrope=mrope_of(model))
+           for idx in chunks]
     num_pairs = float(len(batch.prompt_ids) // 2)
     with torch.no_grad():
         ref = forward_logprobs_pipelined(ref_model, mbs)

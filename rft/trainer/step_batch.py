@@ -49,6 +49,8 @@ class StepBatch:
     # of the loss this step (mu)
     expert: list[bool] | None = None
     expert_weight: float = 0.0
+    # a vision-language model's rows: each row's images (rft.trainer.vision.ImageInputs) or None
+    images: list | None = None
 
     @classmethod
     def from_experiences(cls, experiences: list) -> "StepBatch":

@@ -46,6 +46,7 @@ from rft.trainer.step_batch import (
     take_from_microbatch,
     teacher_scalars,
 )
+from rft.trainer.vision import mrope_of
 
 
 def _dp():
@@ -134,11 +135,14 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     def micro(rows: list[int]) -> list[list[int]]:
         return microbatches(rows, lengths, micro_batch_size, max_tokens_per_microbatch)
 
+    mrope = mrope_of(model)
+
     def pack(idx_chunks):
-        routes = batch.expert_routes
+        routes, images = batch.expert_routes, batch.images
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
                                 pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model),
-                                [routes[i] for i in idx] if routes is not None else None)
+                                [routes[i] for i in idx] if routes is not None else None,
+                                [images[i] for i in idx] if images is not None else None, mrope)
                 for idx in idx_chunks]
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0

@@ -46,6 +46,8 @@ class VisionLanguageGPT(GPTModel):
         # features are in: Megatron's embedding would scatter the token embeddings alone
         super().__init__(*args, scatter_embedding_sequence_parallel=False, **kwargs)
         self.image_token_id = image_token_id
+        # what every stage needs to lay out a microbatch's positions (forward.pack_microbatch's `mrope`)
+        self.mrope = (image_token_id, vision_config.spatial_merge_size)
         if self.pre_process:
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -76,6 +78,14 @@ class VisionLanguageGPT(GPTModel):
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
         return embeddings
+
+
+def mrope_of(model) -> tuple[int, int] | None:
+    """(image token id, merge size) of a vision-language trainer model (any stage, any chunk), None
+    for a language model: what `pack_microbatch` needs for multimodal RoPE positions."""
+    from rft.trainer.model import model_chunks
+
+    return getattr(model_chunks(model)[0], "mrope", None)
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,

@@ -120,6 +120,9 @@ class RolloutEngine:
                                  f"rollout rank ({name}) has none; use trainer.routing_replay=none on CPU")
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
+        self.images = serves_images(model.path)
+        if self.images:  # a vision-language model: prompts carry images (videos: not yet)
+            kwargs["limit_mm_per_prompt"] = {"image": rollout.images_per_prompt, "video": 0}
         kwargs.update(memory_kwargs(rollout, on_gpu=torch.cuda.is_available()))
         if torch.cuda.is_available():
             # sleep() frees GPU memory only from vLLM's own allocator pool (cluster.colocate); on CPU
@@ -272,8 +275,16 @@ class RolloutEngine:
                 path = replies[0][2]
                 # a new id per version: vLLM caches adapters by id
                 self.lora_request = LoRARequest(f"v{self.version}", self.version + 1, path) if path else None
-                self.run(self.llm.reset_prefix_cache())  # cached KV blocks came from the old weights
+                self._forget_old_weights()
         return float(replies[0][1]) + (time.perf_counter() - start if apply else 0.0)
+
+    def _forget_old_weights(self) -> None:
+        """Drop what vLLM computed with the weights it served before: cached KV blocks, and a
+        vision-language model's cached image features (its encoder cache outlives a request; with
+        it kept, an image seen before a sync was read with the old vision tower after it)."""
+        self.run(self.llm.reset_prefix_cache())
+        if self.images:
+            self.run(self.llm.reset_encoder_cache())
 
     def sleep(self, level: int) -> int | None:
         """vLLM's sleep (cluster.colocate): the scheduler pauses; on GPU the KV cache is dropped and
@@ -293,7 +304,7 @@ class RolloutEngine:
         from now on as `version` where given."""
         with self.updating_weights():
             self.collective_rpc("rft_load_hf_dir", (path,))
-            self.run(self.llm.reset_prefix_cache())
+            self._forget_old_weights()
             self.version = self.version if version is None else version
         self.restore_from = (path, self.version)
 
@@ -342,22 +353,25 @@ class RolloutEngine:
         finally:
             self.run(admit())
 
-    def prompt_logprobs(self, sequences: list[list[int]]) -> list[list[float]]:
+    def prompt_logprobs(self, sequences: list[list[int]], images: list[list] | None = None) -> list[list[float]]:
         """log p(token t | tokens < t) under the served weights for t >= 1 of each sequence
-        (weight-sync checks compare these with the trainer's)."""
+        (weight-sync checks compare these with the trainer's). `images`: each sequence's (PIL
+        images, one <|image_pad|> each in the sequence, which vLLM widens to the image's tokens);
+        the logprobs are then of the widened sequence."""
         from vllm import SamplingParams
-        from vllm.inputs import tokens_input
 
-        async def one(ids: list[int]) -> list[float]:
+        async def one(ids: list[int], pictures: list | None) -> list[float]:
             params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
             final = None
-            async for out in self.llm.generate(tokens_input(ids), params, request_id=uuid.uuid4().hex,
+            async for out in self.llm.generate(prompt_input(ids, pictures), params, request_id=uuid.uuid4().hex,
                                                lora_request=self.lora_request):
                 final = out
-            return [float(step[tok].logprob) for step, tok in zip(final.prompt_logprobs[1:], ids[1:])]
+            widened = final.prompt_token_ids
+            return [float(step[tok].logprob) for step, tok in zip(final.prompt_logprobs[1:], widened[1:])]
 
         async def all_of() -> list[list[float]]:
-            return list(await asyncio.gather(*(one(ids) for ids in sequences)))
+            return list(await asyncio.gather(*(one(ids, pictures) for ids, pictures
+                                               in zip(sequences, images or [None] * len(sequences)))))
 
         return self.run(all_of())
 
@@ -426,6 +440,29 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(timeout=10)
+
+
+def serves_images(model_path: str) -> bool:
+    """Whether the HF model at `model_path` is a vision-language model (rft/models/families.py)."""
+    import json
+
+    from rft.models.families import is_vision_language
+
+    try:
+        with open(os.path.join(model_path, "config.json")) as f:
+            return is_vision_language(json.load(f))
+    except (OSError, ValueError):
+        return False
+
+
+def prompt_input(prompt_ids: list[int], images: list | None = None):
+    """What vLLM is given for a prompt of token ids: the ids as they are, or with images, vLLM's
+    prompt form that its processor widens (each <|image_pad|> to the image's tokens)."""
+    from vllm.inputs import tokens_input
+
+    if not images:
+        return tokens_input(prompt_ids)
+    return {"prompt_token_ids": prompt_ids, "multi_modal_data": {"image": list(images)}}
 
 
 @dataclass

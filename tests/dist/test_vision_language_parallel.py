@@ -70,3 +70,73 @@ def test_tp2_pp2_with_sequence_parallel_scores_as_transformers_and_trains_as_tp1
     # the step moved the vision tower (its patch embedding, first in the tower)
     moved = trained["visual.patch_embed.proj.weight"] - before["model.visual.patch_embed.proj.weight"]
     assert moved.abs().max() > 1e-6
+
+
+def _trainer(rank: int, world: int, cfg, port: int, out: str, prompts, responses, images) -> None:
+    from megatron.core import parallel_state as ps
+
+    from rft.config import AlgorithmConfig
+    from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.optimizer import build_optimizer
+    from rft.trainer.pipeline import forward_logprobs_pipelined
+    from rft.trainer.publisher import WeightPublisher
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
+    from rft.trainer.vision import mrope_of
+    from tests.dist.test_weight_sync import _info
+
+    init_gloo(rank, world, port, cfg.trainer.tensor_parallel_size, cfg.trainer.pipeline_parallel_size)
+    model, geo = build_gpt_model(cfg.model.path)
+    load_hf_weights(model, load_hf_state(cfg.model.path), geo)
+    optimizer = build_optimizer(model, lr=1e-2)
+    batch = StepBatch(prompt_ids=prompts, response_ids=responses, images=images)
+    for _ in range(3):  # real optimizer steps move the weights, the vision tower's too, away from the checkpoint
+        train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=3, pad_id=0)
+    mb = pack_microbatch(prompts, responses, 0, torch.device("cpu"), images=images, mrope=mrope_of(model))
+    logprobs = forward_logprobs_pipelined(model, [mb])
+    if ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0:
+        torch.save({"logprobs": logprobs[0], "mask": mb.loss_mask}, out)
+    WeightPublisher(cfg, _info(cfg, rank, port + 10), geo).publish(model, 7)
+
+
+def test_a_tp2_trainer_syncs_a_vision_language_model_into_vllm_which_then_scores_image_prompts_alike(
+        model_dir, tmp_path):  # noqa: F811
+    """Weight sync parity into vLLM's CPU build (over gloo), vision tower included: after the
+    trainer's steps and one sync, vLLM's logprobs of image prompts equal the trainer's and differ
+    from the checkpoint's."""
+    import multiprocessing
+
+    from rft.config import ModelConfig, RolloutConfig
+    from rft.explorer.vllm_engine import RolloutEngine
+    from rft.weights.engines import sync_layout
+    from tests.dist.test_weight_sync import _config, _info
+
+    prompts, responses, images, pictures = _sequences(model_dir, with_pictures=True)
+    cfg = _config(model_dir, str(tmp_path / "run"), 2, 1, 1, "gloo")
+    engine = RolloutEngine(ModelConfig(name="tiny-vl", path=model_dir), RolloutConfig(kv_cache_gb=0.1),
+                           seed=0, max_model_len=64)
+    pad = engine.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    # vLLM is given one <|image_pad|> per image and widens it as the trainer's sequences are widened
+    narrow = [[t for i, t in enumerate(p + r) if t != pad or (p + r)[i - 1] != pad] for p, r in zip(prompts, responses)]
+    before = engine.prompt_logprobs(narrow, pictures)
+    port, out = free_port(), str(tmp_path / "trainer.pt")
+    trainer = multiprocessing.get_context("spawn").Process(
+        target=spawn, args=(_trainer, 2, cfg, port, out, prompts, responses, images))
+    trainer.start()
+    try:
+        engine.open_weight_receiver(sync_layout(cfg, _info(cfg, 2, port + 10), False), 0)
+        engine.receive_weights()
+        trainer.join(timeout=300)
+        assert trainer.exitcode == 0
+        after = engine.prompt_logprobs(narrow, pictures)
+    finally:
+        engine.close()
+    trained = torch.load(out)
+    for row, (b, a) in enumerate(zip(before, after)):
+        assert len(a) == len(prompts[row] + responses[row]) - 1  # vLLM widened the image as the trainer did
+        expected = trained["logprobs"][row, : len(a)]
+        mask = trained["mask"][row, : len(a)].bool()
+        assert (torch.tensor(a)[mask] - expected[mask]).abs().max().item() <= 1e-3, row
+        assert (torch.tensor(b)[mask] - expected[mask]).abs().max().item() > 1e-2, row

@@ -25,9 +25,9 @@ def model_dir(tmp_path_factory) -> str:
     return create_tiny_model(TinyModelConfig(vision=True), str(tmp_path_factory.mktemp("vl") / "model"), seed=0)
 
 
-def _sequences(model_dir: str):
+def _sequences(model_dir: str, with_pictures: bool = False):
     """(prompts, responses, per-sequence ImageInputs or None): two prompts with an image each (4
-    and 8 image tokens) and one of text alone."""
+    and 8 image tokens) and one of text alone; `with_pictures`: and each sequence's PIL images."""
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -36,7 +36,7 @@ def _sequences(model_dir: str):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
     start, end, pad = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"])
-    prompts, images = [], []
+    prompts, images, pictures = [], [], []
     for text, image in (("red?", _image(56, 56, "red")), ("blue?", _image(112, 56, "blue")), ("1+2=", None)):
         ids = [tokenizer.bos_token_id]
         if image is not None:
@@ -46,8 +46,9 @@ def _sequences(model_dir: str):
         else:
             images.append(None)
         prompts.append(ids + tokenizer.encode(text, add_special_tokens=False))
+        pictures.append([image] if image is not None else [])
     responses = [tokenizer.encode(r, add_special_tokens=False) for r in ("yes", "no", "3")]
-    return prompts, responses, images
+    return (prompts, responses, images, pictures) if with_pictures else (prompts, responses, images)
 
 
 def _worker(rank: int, port: int, model_dir: str, out: str, prompts, responses, images) -> None:

@@ -91,6 +91,7 @@ class DataConfig:
     prompt_template: str = "{prompt}"  # format string applied to the prompt text (a messages prompt: to its last user turn)
     system_prompt: Optional[str] = None  # system message sent before every prompt (None: none); a row's system_key value or own system turn wins
     system_key: Optional[str] = None  # column holding a row's system prompt, wins over system_prompt (None: no such column; null or blank: system_prompt)
+    image_key: Optional[str] = None  # vision-language models: column holding a row's image(s), each a path (relative to the taskset's folder), bytes or an HF Image feature; the prompt's <image> marks (or {"type": "image"} parts) say where (rft/data/images.py)
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
     overlong: str = "skip"  # rows longer than the context: skip (counted) | truncate_left (cut the prompt's start) | error
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch

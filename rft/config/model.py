@@ -22,10 +22,7 @@ class TinyModelConfig:
     intermediate_size: int = 384  # SwiGLU inner width
     max_position_embeddings: int = 128  # longest sequence (prompt + response)
     tie_word_embeddings: bool = False  # share input embedding and output layer
-    # Qwen2.5-VL-shaped: a small vision tower (2 blocks, width 64, 14-pixel patches merged 2 x 2)
-    # in front of the same decoder (multimodal RoPE), image tokens in the tokenizer and an image
-    # processor beside it (rft/models/tiny.py)
-    vision: bool = False
+    vision: bool = False  # Qwen2.5-VL-shaped: a small vision tower (2 blocks, width 64, 14-pixel patches merged 2 x 2) before the same decoder (multimodal RoPE), image tokens in the tokenizer, an image processor beside it
 
 
 @dataclass

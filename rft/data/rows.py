@@ -81,12 +81,31 @@ def prompt_messages(value: Any, key: str) -> list[Message]:
             raise ValueError(f"{key}[{i}].role is {role!r}; a prompt's messages are {', '.join(PROMPT_ROLES)}")
         if role == "system" and i > 0:
             raise ValueError(f"{key}[{i}] is a system message; only the first message may be one")
+        if isinstance(content, list):  # the Hub's chat layout: [{"type": "image"}, {"type": "text", "text": ...}]
+            content = _parts_text(content, f"{key}[{i}].content")
         if not isinstance(content, str):
-            raise ValueError(f"{key}[{i}].content must be a string (got {type(content).__name__})")
+            raise ValueError(f"{key}[{i}].content must be a string or a list of parts (got {type(content).__name__})")
         messages.append({"role": role, "content": content})
     if messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
         raise ValueError(f"prompt {key!r} must end with a user message that has text (the model replies to it)")
     return messages
+
+
+def _parts_text(parts: list, key: str) -> str:
+    """A message's content parts as text, an image part as the `<image>` mark where its image goes
+    (rft/data/images.py places the row's images there)."""
+    from rft.data.images import MARK
+
+    text = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "image":
+            text.append(MARK)
+        elif kind == "text" and isinstance(part.get("text"), str):
+            text.append(part["text"])
+        else:
+            raise ValueError(f"{key}[{j}] must be a {{type: text, text}} or {{type: image}} part (got {part!r:.60})")
+    return "".join(text)
 
 
 def system_prompt(row: dict, key: str | None, default: str | None) -> str | None:

@@ -54,6 +54,16 @@ class Source:
     split: str | None  # the split read (None: a single file)
     shards: tuple[Shard, ...]
 
+    @property
+    def folder(self) -> str:
+        """The taskset's folder: the one named (less its split), or the named file's; where paths in
+        its rows (images) start."""
+        named = self.spec[: -len(SPLIT_SEP + self.split)] if self.split and self.spec.endswith(SPLIT_SEP + self.split) \
+            else self.spec
+        if os.path.isdir(named):
+            return os.path.abspath(named)
+        return os.path.dirname(os.path.abspath(self.shards[0].path if self.shards else named))
+
 
 def _natural(path: str) -> list:
     """Sort key: numbers by value, so shard 10 follows shard 9 even without zero padding."""

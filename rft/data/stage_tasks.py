@@ -24,7 +24,7 @@ def read_stage_tasks(path: str, data: DataConfig, rows: dict[str, dict[str, int]
     answer_key = data.chosen_key if preferences else data.answer_key
     tasks, report = read_taskset(path, data.prompt_key, answer_key, data.prompt_template,
                                  data.rejected_key if preferences else None, required, data.id_key, messages_key,
-                                 system_key=data.system_key, system_prompt=data.system_prompt)
+                                 system_key=data.system_key, system_prompt=data.system_prompt, image_key=data.image_key)
     rows[report.path] = {"malformed": report.skipped}
     if cleaned_in is not None and data.operators:
         cleaned, report_path = cleaned_paths(*cleaned_in, path)

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from rft.data import sources
+from rft.data.images import MARK, place_images, read_images
 from rft.data.rows import Message, MissingKey, get, has_key, lookup, prompt_messages, system_prompt, text_field
 
 _MAX_EXAMPLES = 5  # skipped-row messages kept in a report; the count is always exact
@@ -48,6 +49,9 @@ class Task:
     # else data.system_prompt
     system: str | None = None
     history: tuple[Message, ...] = field(default=(), hash=False)  # a messages prompt's turns before its last user turn
+    # a vision-language row's images, encoded (data.image_key, rft/data/images.py), in the order of
+    # their placeholders in `prompt`
+    images: tuple[bytes, ...] = field(default=(), hash=False, repr=False)
 
     @property
     def task_id(self) -> str:
@@ -99,6 +103,8 @@ class RowKeys:
     messages: str | None = None  # SFT conversations
     system: str | None = None  # data.system_key
     system_prompt: str | None = None  # data.system_prompt
+    images: str | None = None  # data.image_key
+    base_dir: str = ""  # where an image column's relative paths start: the taskset's folder
 
 
 def _prompt(obj: dict, keys: RowKeys) -> tuple[str | None, str | None, tuple[Message, ...]]:
@@ -139,12 +145,18 @@ def _row_to_task(index: int, obj: Any, keys: RowKeys) -> Task | str:
             system = system_prompt(obj, keys.system, keys.system_prompt)
         answer = text_field(obj, keys.answer) if "answer" in required or has_key(obj, keys.answer) else None
         rejected = text_field(obj, keys.rejected) if keys.rejected is not None else None
+        images: tuple[bytes, ...] = ()
+        if keys.images is not None and prompt is not None:
+            if any(MARK in turn["content"] for turn in history):
+                raise ValueError(f"images go in the last user turn; an earlier turn of {keys.prompt!r} marks one")
+            images = read_images(lookup(obj, keys.images), keys.images, keys.base_dir)
+            prompt = place_images(prompt, len(images), keys.images)
     except (MissingKey, ValueError) as err:
         return str(err)
     task_id = get(obj, keys.id) if keys.id is not None else None  # optional: the row index stands in
     return Task(index=index, prompt=prompt, answer=answer, rejected=rejected, row=obj,
                 id="" if task_id is None else str(task_id),
-                system=system, history=history)
+                system=system, history=history, images=images)
 
 
 def _messages_problem(messages: Any, key: str) -> str | None:
@@ -174,7 +186,7 @@ def _layout_hint(first_row: Any, keys: RowKeys) -> str:
 def read_taskset(
     path: str, prompt_key: str, answer_key: str, prompt_template: str = "{prompt}", rejected_key: str | None = None,
     required: tuple[str, ...] = ("prompt", "answer"), id_key: str | None = None, messages_key: str | None = None,
-    *, system_key: str | None = None, system_prompt: str | None = None,
+    *, system_key: str | None = None, system_prompt: str | None = None, image_key: str | None = None,
 ) -> tuple[list[Task], TasksetReport]:
     """Read the rows `path` names (rft/data/sources.py: a .jsonl/.json/.parquet file, gzipped json,
     a folder or glob of shards, a save_to_disk folder, `path@split`) as tasks.
@@ -183,7 +195,8 @@ def read_taskset(
     non-empty text nor chat messages ending with a user turn) or answer are skipped and counted in
     the report, each example naming the row (shard, line or row) and the key. Numeric answers become
     strings via `str()`. `required`: the columns the row must hold, "prompt" and "answer" standing
-    for `prompt_key` and `answer_key`.
+    for `prompt_key` and `answer_key`. `image_key`: the column of a row's images (rft/data/images.py:
+    an unreadable image skips its row).
     """
     _check_template(prompt_template)
     try:
@@ -191,7 +204,7 @@ def read_taskset(
     except ValueError as err:
         raise ValueError(f"{err}; check data.train_path / data.eval_path") from None
     keys = RowKeys(prompt_key, answer_key, prompt_template, rejected_key, required, id_key, messages_key,
-                   system_key, system_prompt)
+                   system_key, system_prompt, image_key, source.folder)
 
     tasks: list[Task] = []
     report = TasksetReport(path=path, rows=0, skipped=0)

@@ -83,9 +83,8 @@ class VisionLanguageGPT(GPTModel):
 def mrope_of(model) -> tuple[int, int] | None:
     """(image token id, merge size) of a vision-language trainer model (any stage, any chunk), None
     for a language model: what `pack_microbatch` needs for multimodal RoPE positions."""
-    from rft.trainer.model import model_chunks
-
-    return getattr(model_chunks(model)[0], "mrope", None)
+    first = model.chunks[0] if hasattr(model, "chunks") else model  # a stage's virtual chunks (rft/trainer/model.py)
+    return getattr(first, "mrope", None)
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,

@@ -82,7 +82,7 @@ def test_a_messages_prompt_keeps_its_system_turn_and_earlier_turns_and_the_templ
     ([{"role": "user", "content": "x"}, {"role": "system", "content": "y"}, {"role": "user", "content": "z"}],
      "prompt[1] is a system message; only the first"),
     ([{"role": "robot", "content": "x"}], "prompt[0].role is 'robot'"),
-    ([{"role": "user", "content": ["an", "image"]}], "prompt[0].content must be a string (got list)"),
+    ([{"role": "user", "content": ["an", "image"]}], "prompt[0].content[0] must be a {type: text, text} or {type: image} part"),
     (["just text"], "prompt[0] must be a message {role, content} (got str)"),
     ([{"role": "user", "content": "  "}], "must end with a user message that has text"),
 ])

@@ -1,0 +1,85 @@
+"""A taskset row's images (data.image_key), for vision-language models.
+
+A row's image column holds one image or a list of them, each in one of the layouts users have:
+  - a path (relative to the taskset's folder, or absolute),
+  - the encoded bytes (PNG, JPEG, ...),
+  - an HF `datasets` Image feature as stored in parquet or read with decode=False:
+    {"bytes": ..., "path": ...} (bytes win; a path alone is read).
+An image goes where the prompt marks it: `<image>` in a text prompt (verl's and EasyR1's
+convention), or a {"type": "image"} part of a message's content (the Hub's chat layout, turned
+into `<image>` by rft/data/rows.py). Prompts without a mark get their images before the text. Each
+mark becomes Qwen2.5-VL's placeholder, which the model's processor widens to the image's tokens.
+
+Images are kept encoded (`Task.images`) and checked here by decoding them once: a row whose image
+cannot be read, or whose marks and images differ in number, is skipped and counted as the reader
+skips any bad row, never fatal.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from typing import Any
+
+MARK = "<image>"  # where a prompt's image goes
+PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen2.5-VL's, one <|image_pad|> per image
+
+
+def read_images(value: Any, key: str, base_dir: str) -> tuple[bytes, ...]:
+    """The encoded images of a row's image column; ValueError naming the key and the item."""
+    items = value if isinstance(value, list) else [value]
+    images = []
+    for i, item in enumerate(items):
+        where = f"image {key}[{i}]" if isinstance(value, list) else f"image {key!r}"
+        data = _encoded(item, where, base_dir)
+        _check_readable(data, where)
+        images.append(data)
+    return tuple(images)
+
+
+def _encoded(item: Any, where: str, base_dir: str) -> bytes:
+    if isinstance(item, dict):  # an HF datasets Image feature
+        if item.get("bytes"):
+            return bytes(item["bytes"])
+        if item.get("path"):
+            item = item["path"]
+        else:
+            raise ValueError(f"{where} has neither bytes nor a path")
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    if isinstance(item, str):
+        path = item if os.path.isabs(item) else os.path.join(base_dir, item)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as err:
+            raise ValueError(f"{where}: cannot read {path!r} ({err.strerror})") from None
+    raise ValueError(f"{where} must be a path, bytes or an HF Image feature (got {type(item).__name__})")
+
+
+def _check_readable(data: bytes, where: str) -> None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()  # truncated files fail here, not at rollout
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        raise ValueError(f"{where} is not a readable image ({type(err).__name__}: {err})") from None
+
+
+def place_images(text: str, count: int, key: str) -> str:
+    """`text` with each `<image>` mark (or, with none, the start) holding one image's placeholder;
+    ValueError when marks and images differ in number."""
+    marks = text.count(MARK)
+    if marks == 0:
+        return PLACEHOLDER * count + text
+    if marks != count:
+        raise ValueError(f"the prompt marks {marks} image(s) with {MARK} but {key!r} holds {count}")
+    return text.replace(MARK, PLACEHOLDER)
+
+
+def decode(data: bytes):
+    """A PIL image (RGB) from encoded bytes, as the model's processor takes it."""
+    from PIL import Image
+
+    return Image.open(io.BytesIO(data)).convert("RGB")

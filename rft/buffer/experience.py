@@ -25,6 +25,9 @@ the trainer reads them back (`from_table`) into its batches, and the algorithms 
                    the tokens before it (0.0 at position 0; what matters is the sampled tokens'), as
                    the judge engine scored the row (rft/explorer/teacher.py); null where it was
                    not asked or did not answer
+    images         optional, a vision-language trajectory's images as encoded bytes (PNG, JPEG: as
+                   the taskset held them), in the order of their image tokens; the trainer's image
+                   processor makes the same patches from them as vLLM's did
 
 Why rows are whole trajectories with a mask rather than (prompt, response) pairs: a multi-turn
 conversation interleaves sampled and non-sampled tokens, and the trainer must score exactly the
@@ -47,7 +50,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 SCHEMA_VERSION = 1
-OPTIONAL_COLUMNS = ("routed_experts", "token_versions", "teacher_logprobs")  # added within version 1: a shard without them reads as None
+OPTIONAL_COLUMNS = ("routed_experts", "token_versions", "teacher_logprobs", "images")  # added within version 1: a shard without them reads as None
 _VERSION_KEY = b"rft.experience_schema"
 _FLOAT32_MAX = float(np.finfo(np.float32).max)  # rewards are stored as float32: larger ones become inf
 
@@ -73,6 +76,7 @@ SCHEMA = pa.schema([
                                           ("ids", pa.list_(pa.uint16()))])),
     pa.field("token_versions", pa.list_(pa.int64())),
     pa.field("teacher_logprobs", pa.list_(pa.float32())),
+    pa.field("images", pa.list_(pa.binary())),
 ], metadata={_VERSION_KEY: str(SCHEMA_VERSION).encode()})
 
 
@@ -101,6 +105,7 @@ class Experience:
     routed_experts: np.ndarray | None = None  # [tokens, layers, k]: vLLM's routing, to replay
     token_versions: list[int] | None = None  # each token's sampling weights (-1: not sampled); None: all `version`'s
     teacher_logprobs: list[float] | None = None  # a frozen teacher's logprob per token (distillation); None: not scored
+    images: list[bytes] | None = None  # a vision-language trajectory's images, encoded, in the order of their tokens
 
     def check(self) -> None:
         """ValueError naming what is inconsistent (a workflow's bug, caught before the buffer)."""
@@ -198,12 +203,12 @@ def from_table(table: pa.Table) -> list[Experience]:
     names = [f.name for f in fields(Experience) if f.name not in OPTIONAL_COLUMNS]
     rows = table.select(names).to_pylist()
     routes = _routed_experts(table)
-    versions, teacher = (table.column(name).to_pylist() if name in table.column_names else [None] * table.num_rows
-                         for name in ("token_versions", "teacher_logprobs"))
-    for row, routed, token_versions, teacher_logprobs in zip(rows, routes, versions, teacher):
+    versions, teacher, images = (table.column(name).to_pylist() if name in table.column_names
+                                 else [None] * table.num_rows for name in ("token_versions", "teacher_logprobs", "images"))
+    for row, routed, token_versions, teacher_logprobs, row_images in zip(rows, routes, versions, teacher, images):
         row["metrics"] = json.loads(row["metrics"])
         row["routed_experts"], row["token_versions"] = routed, token_versions
-        row["teacher_logprobs"] = teacher_logprobs
+        row["teacher_logprobs"], row["images"] = teacher_logprobs, row_images
     return [Experience(**row) for row in rows]
 
 

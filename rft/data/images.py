@@ -83,3 +83,32 @@ def decode(data: bytes):
     from PIL import Image
 
     return Image.open(io.BytesIO(data)).convert("RGB")
+
+
+def image_processor(model_path: str):
+    """The model's image processor, as vLLM loads it (transformers' AutoImageProcessor: with
+    torchvision its fast one, else the PIL one), so that rollout, trainer and vLLM cut an image
+    into the same patches."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(model_path)
+
+
+def token_counts(processor, images: list[bytes]) -> list[int]:
+    """How many image tokens each image becomes: its patches, merged merge_size x merge_size."""
+    grids = processor(images=[decode(image) for image in images], return_tensors="pt")["image_grid_thw"]
+    return [int(grid.prod()) // processor.merge_size ** 2 for grid in grids]
+
+
+def widen(ids: list[int], pad_id: int, counts: list[int]) -> list[int]:
+    """`ids` with the i-th <|image_pad|> repeated counts[i] times: the sequence the model runs on."""
+    out, images = [], iter(counts)
+    for token in ids:
+        out.extend([pad_id] * next(images) if token == pad_id else [token])
+    return out
+
+
+def narrow(ids: list[int], pad_id: int) -> list[int]:
+    """`widen` undone: each run of <|image_pad|> as one, as vLLM is given a prompt (its processor
+    widens each again; given widened ids it widens the first of them)."""
+    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]

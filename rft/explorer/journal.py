@@ -36,9 +36,12 @@ def journal_dir(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, "inflight", f"rank{rank}")
 
 
-def request_key(prompt_ids: list[int], params) -> str:
-    """The identity of one draw: its prompt and sampling parameters (vllm.SamplingParams)."""
+def request_key(prompt_ids: list[int], params, images: list[bytes] | None = None) -> str:
+    """The identity of one draw: its prompt (with its images: one prompt's text may come with
+    different images) and sampling parameters (vllm.SamplingParams)."""
     what = [prompt_ids, [getattr(params, name, None) for name in _PARAMS]]
+    if images:
+        what.append([hashlib.sha256(image).hexdigest() for image in images])
     return hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()
 
 
@@ -65,17 +68,18 @@ class GenerationJournal:
         if self.file.tell() and not _ends_a_line(self.path):
             self.file.write("\n")  # after a torn last line: the next record starts a line of its own
 
-    def replay(self, prompt_ids: list[int], params) -> list[Completion] | None:
+    def replay(self, prompt_ids: list[int], params, images: list[bytes] | None = None) -> list[Completion] | None:
         """What an earlier attempt sampled for this request (None: nothing; it is sent now)."""
-        found = self.recorded.get(request_key(prompt_ids, params))
+        found = self.recorded.get(request_key(prompt_ids, params, images))
         if found is None:
             self.listener("request")
         return found
 
-    def record(self, prompt_ids: list[int], params, completions: list[Completion]) -> None:
+    def record(self, prompt_ids: list[int], params, completions: list[Completion],
+               images: list[bytes] | None = None) -> None:
         """Append a request's completions (a later record of the same request supersedes an earlier:
         the tokens it had when cut, then all of them)."""
-        key = request_key(prompt_ids, params)
+        key = request_key(prompt_ids, params, images)
         self.recorded[key] = completions
         entry = {"key": key, "completions": [{"token_ids": c.token_ids, "logprobs": c.logprobs, "text": c.text,
                                               "finish_reason": c.finish_reason, "versions": c.versions}

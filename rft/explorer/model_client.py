@@ -53,9 +53,11 @@ class ModelClient:
         """Tokens of prompt + response the engine accepts (model.max_seq_len, capped by the model)."""
         return self.engine.max_model_len
 
-    async def generate(self, token_ids: list[int], n: int = 1, **overrides) -> list[Completion] | Completion:
+    async def generate(self, token_ids: list[int], n: int = 1, images: list[bytes] | None = None,
+                       **overrides) -> list[Completion] | Completion:
         """Sample a continuation of `token_ids` (one Completion; a list of `n` when n > 1). With no
-        room left in the context the completion is empty, finish_reason "context"."""
+        room left in the context the completion is empty, finish_reason "context". `images` (a
+        vision-language model's, encoded): `token_ids` hold each one's tokens (`Conversation`)."""
         from vllm import SamplingParams
 
         s = replace(self.sampling, **overrides) if overrides else self.sampling
@@ -66,16 +68,22 @@ class ModelClient:
         params = SamplingParams(n=n, max_tokens=min(s.max_new_tokens, room), temperature=s.temperature,
                                 top_p=s.top_p, stop=list(s.stop) or None, seed=self.seed + self.requests)
         self.requests += 1
-        completions = await self.engine.generate(token_ids, params)
+        if images:  # vLLM is given one <|image_pad|> per image and widens it itself
+            from rft.data.images import narrow
+
+            completions = await self.engine.generate(narrow(token_ids, self.engine.image_pad), params, images)
+        else:
+            completions = await self.engine.generate(token_ids, params)
         return completions if n > 1 else completions[0]
 
     async def chat(self, messages: list[Message], **overrides) -> Completion:
         """One reply to `messages` (rendered with the model's chat format)."""
         return await self.generate(self.format.prompt_ids(messages), **overrides)
 
-    def conversation(self, messages: list[Message]) -> Conversation:
-        """Start a trajectory from `messages` (the prompt: never trained)."""
-        return Conversation(self, messages)
+    def conversation(self, messages: list[Message], images: tuple[bytes, ...] = ()) -> Conversation:
+        """Start a trajectory from `messages` (the prompt: never trained); `images`: a
+        vision-language task's (Task.images), one placeholder each in the messages."""
+        return Conversation(self, messages, images)
 
 
 class Conversation:
@@ -86,10 +94,16 @@ class Conversation:
     the conversation for rewards and logs.
     """
 
-    def __init__(self, client: ModelClient, messages: list[Message]):
+    def __init__(self, client: ModelClient, messages: list[Message], images: tuple[bytes, ...] = ()):
         self.client = client
         self.messages: list[Message] = list(messages)
         self.token_ids = client.format.prompt_ids(self.messages)
+        self.images = list(images)
+        if self.images:  # the ids the model runs on: each image as its tokens (rft/data/images.py)
+            from rft.data.images import token_counts, widen
+
+            engine = client.engine
+            self.token_ids = widen(self.token_ids, engine.image_pad, token_counts(engine.image_processor, self.images))
         self.prompt_length = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_length
         self.logprobs = [0.0] * self.prompt_length
@@ -107,14 +121,14 @@ class Conversation:
     async def reply(self, **overrides) -> Completion:
         """Sample the model's next turn and append it. An empty completion (finish_reason
         "context") means the context is full: end the trajectory."""
-        turn = await self.client.generate(self.token_ids, **overrides)
+        turn = await self.client.generate(self.token_ids, images=self.images, **overrides)
         self._append(turn)
         return turn
 
     async def replies(self, n: int, **overrides) -> list[Conversation]:
         """`n` continuations of this conversation, each one more model turn, sampled in one request
         (vLLM processes the shared prefix once)."""
-        turns = await self.client.generate(self.token_ids, n=n, **overrides)
+        turns = await self.client.generate(self.token_ids, n=n, images=self.images, **overrides)
         branches = []
         for turn in turns if n > 1 else [turns]:
             branch = copy.copy(self)
@@ -157,4 +171,4 @@ class Conversation:
         return Experience(token_ids=list(self.token_ids), loss_mask=list(self.loss_mask),
                           logprobs=list(self.logprobs), prompt_length=self.prompt_length, reward=reward,
                           turns=self.turns, routed_experts=self.routed_experts, token_versions=list(self.versions),
-                          **fields)
+                          images=list(self.images) or None, **fields)

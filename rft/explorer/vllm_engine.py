@@ -123,6 +123,9 @@ class RolloutEngine:
         self.images = serves_images(model.path)
         if self.images:  # a vision-language model: prompts carry images (videos: not yet)
             kwargs["limit_mm_per_prompt"] = {"image": rollout.images_per_prompt, "video": 0}
+            from rft.data.images import image_processor
+
+            self.image_processor = image_processor(model.path)
         kwargs.update(memory_kwargs(rollout, on_gpu=torch.cuda.is_available()))
         if torch.cuda.is_available():
             # sleep() frees GPU memory only from vLLM's own allocator pool (cluster.colocate); on CPU
@@ -141,6 +144,7 @@ class RolloutEngine:
             os.environ["TORCH_COMPILE_DISABLE"] = "1"
             torch._dynamo.config.disable = True
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
+        self.image_pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>") if self.images else None
         self.loop, self._own_loop = loop or LoopThread(), loop is None
         self._args = AsyncEngineArgs(**kwargs)
         # rollout.on_engine_failure=restart (rft/explorer/engine_restart.py): where each sync's weights
@@ -163,19 +167,20 @@ class RolloutEngine:
         """Run `coroutine` on the engine's event loop and wait for its result (from any other thread)."""
         return self.loop.run(coroutine, timeout_s)
 
-    async def generate(self, prompt_ids: list[int], params) -> list[Completion]:
+    async def generate(self, prompt_ids: list[int], params, images: list[bytes] | None = None) -> list[Completion]:
         """Sample `params.n` completions of `prompt_ids` (vllm.SamplingParams). With
         rollout.partial_rollout a weight update may cut them: each cut sample then goes on from
         its tokens so far on the new weights, and every token keeps the version that sampled it.
         With a step's journal (rft/explorer/journal.py) what an earlier attempt finished is taken
-        back, and what it had when it was stopped is gone on from."""
+        back, and what it had when it was stopped is gone on from. `images` (a vision-language
+        model's, encoded): one <|image_pad|> each in `prompt_ids`, which vLLM widens."""
         from vllm.sampling_params import RequestOutputKind
 
         # one final output per request: with n > 1 vLLM otherwise streams one sample per output
         params.output_kind = RequestOutputKind.FINAL_ONLY
         params.logprobs = 0  # the sampled token's logprob
         journal = self.journal if params.seed is not None else None  # an unseeded request is a fresh draw each time
-        recorded = journal.replay(prompt_ids, params) if journal is not None else None
+        recorded = journal.replay(prompt_ids, params, images) if journal is not None else None
         if recorded is not None and not any(c.finish_reason == "abort" for c in recorded):
             self.replayed += len(recorded)  # an earlier attempt finished it
             return [dataclasses.replace(c) for c in recorded]
@@ -183,24 +188,26 @@ class RolloutEngine:
             self.resumed += sum(c.finish_reason == "abort" for c in recorded)
             completions, cut = [dataclasses.replace(c) for c in recorded], True
         else:
-            completions, cut = await self._sample(prompt_ids, params)
+            completions, cut = await self._sample(prompt_ids, params, images)
         if cut:
             if journal is not None:  # the tokens so far survive a kill while the rest is sampled
-                journal.record(prompt_ids, params, completions)
-            completions = list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i)
+                journal.record(prompt_ids, params, completions, images)
+            completions = list(await asyncio.gather(*(self._go_on(prompt_ids, c, params, i, images)
                                                       for i, c in enumerate(completions))))
         if journal is not None:
-            journal.record(prompt_ids, params, completions)
+            journal.record(prompt_ids, params, completions, images)
         return completions
 
-    async def _sample(self, prompt_ids: list[int], params) -> tuple[list[Completion], bool]:
+    async def _sample(self, prompt_ids: list[int], params, images: list[bytes] | None = None
+                      ) -> tuple[list[Completion], bool]:
         """One request: its completions, and whether rft cut it (a weight update with partial
         rollout, or `keep_in_flight`)."""
-        from vllm.inputs import tokens_input
+        from rft.data.images import decode
 
+        pictures = [decode(image) for image in images] if images else None
         async with self.request_slot():
             version, cuts, final = self.version, self.cuts, None
-            async for out in self.llm.generate(tokens_input(prompt_ids), params, request_id=uuid.uuid4().hex,
+            async for out in self.llm.generate(prompt_input(prompt_ids, pictures), params, request_id=uuid.uuid4().hex,
                                                lora_request=self.lora_request):
                 final = out
             self.last_progress = time.monotonic()
@@ -212,7 +219,8 @@ class RolloutEngine:
                            routed_experts=getattr(c, "routed_experts", None), versions=[version] * len(c.token_ids))
                 for c in final.outputs], cut
 
-    async def _go_on(self, prompt_ids: list[int], done: Completion, params, sample: int) -> Completion:
+    async def _go_on(self, prompt_ids: list[int], done: Completion, params, sample: int,
+                     images: list[bytes] | None = None) -> Completion:
         """A sample rft cut (a weight update, `keep_in_flight`, a stopped earlier attempt), continued
         on the weights served now from where it stopped, as often as it is cut. Why not vLLM's pause_generation(mode="keep"): the tokens each
         request had when it was frozen are not reported, and each token's version must be exact;
@@ -224,7 +232,7 @@ class RolloutEngine:
             rest = params.clone()  # every sampling setting of the request, for one sample's rest
             rest.n, rest.max_tokens = 1, params.max_tokens - len(done.token_ids)
             rest.seed = None if params.seed is None else params.seed + 7919 * segment + sample
-            more, _ = await self._sample(prompt_ids + done.token_ids, rest)
+            more, _ = await self._sample(prompt_ids + done.token_ids, rest, images)
             self.continued += 1
             step = more[0]
             done = Completion(token_ids=done.token_ids + step.token_ids, logprobs=done.logprobs + step.logprobs,

@@ -40,17 +40,26 @@ class DatasetBatches:
     """SFT rows (prompt + reference answer, or a whole conversation in `data.messages_key`) or DPO
     pairs, drawn by a resumable cursor."""
 
-    def __init__(self, cursor: TaskCursor, tokenizer, chat_template: bool, messages_key: str):
+    def __init__(self, cursor: TaskCursor, tokenizer, chat_template: bool, messages_key: str,
+                 image_processor=None):
         self.cursor, self.tokenizer, self.chat_template = cursor, tokenizer, chat_template
         self.messages_key = messages_key
         self.format = chat_format(tokenizer, chat_template)
+        self.image_processor = image_processor  # a vision-language model's (rft/data/images.py)
 
     def prompt_ids(self, task: Task) -> list[int]:
-        return self.tokenizer(format_prompt(task, self.tokenizer, self.chat_template), add_special_tokens=False).input_ids
+        ids = self.tokenizer(format_prompt(task, self.tokenizer, self.chat_template), add_special_tokens=False).input_ids
+        if task.images:  # each image as the tokens the model runs on, as a rollout widens them
+            from rft.data.images import token_counts, widen
+
+            pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+            ids = widen(ids, pad, token_counts(self.image_processor, list(task.images)))
+        return ids
 
     def sft(self, n: int) -> StepBatch:
-        prompts, responses, masks = [], [], []
+        prompts, responses, masks, images = [], [], [], []
         for task in self.cursor.next_batch(n):
+            images.append(list(task.images) or None)
             messages = task.row.get(self.messages_key)
             if messages is not None:  # a conversation: every assistant turn is trained
                 ids, mask, cut = conversation_ids(self.format, self.tokenizer, messages)
@@ -61,7 +70,8 @@ class DatasetBatches:
             prompts.append(prompt)
             responses.append(response)
             masks.append(response_mask)
-        return StepBatch(prompt_ids=prompts, response_ids=responses, response_mask=masks)
+        return StepBatch(prompt_ids=prompts, response_ids=responses, response_mask=masks,
+                         images=images if any(images) else None)
 
     def preferences(self, n: int) -> StepBatch:
         """`n` pairs as rows 2i (prompt + chosen) and 2i+1 (prompt + rejected), for DPO."""

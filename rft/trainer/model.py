@@ -204,8 +204,11 @@ def build_gpt_model(hf_path: str, dtype: str = "float32", tie_embeddings: bool |
     if geo.vision:
         from rft.trainer.vision import VisionLanguageGPT
 
+        from rft.data.images import image_processor
+
         model_class, vision = VisionLanguageGPT, {"vision_config": whole.vision_config,
-                                                  "image_token_id": whole.image_token_id}
+                                                  "image_token_id": whole.image_token_id,
+                                                  "image_processor": image_processor(hf_path)}
     for vp_stage in range(vpp) if vpp > 1 else [None]:
         chunk = model_class(
             config=config,

@@ -49,8 +49,8 @@ class StepBatch:
     # of the loss this step (mu)
     expert: list[bool] | None = None
     expert_weight: float = 0.0
-    # a vision-language model's rows: each row's images (rft.trainer.vision.ImageInputs) or None
-    images: list | None = None
+    # a vision-language model's rows: each row's images, encoded (PNG, JPEG, ...), or None
+    images: list[list[bytes] | None] | None = None
 
     @classmethod
     def from_experiences(cls, experiences: list) -> "StepBatch":
@@ -68,7 +68,8 @@ class StepBatch:
                    step_rewards=[e.step_rewards for e in experiences], step_index=[e.step_index for e in experiences],
                    turns=[e.turns for e in experiences],
                    teacher_logprobs=[None if e.teacher_logprobs is None else e.teacher_logprobs[p:]
-                                     for e, p in zip(experiences, cut)])
+                                     for e, p in zip(experiences, cut)],
+                   images=[e.images for e in experiences] if any(e.images for e in experiences) else None)
 
     def with_expert_routes(self, experiences: list) -> "StepBatch":
         """This batch with the rows' routed experts to replay (trainer.routing_replay=rollout)."""
@@ -98,7 +99,9 @@ class StepBatch:
             step_index=None if self.step_index is None else self.step_index + [0] * k,
             turns=None if self.turns is None else self.turns + [0] * k,
             teacher_logprobs=None if self.teacher_logprobs is None else self.teacher_logprobs + [None] * k,
-            expert=[False] * n + [True] * k, expert_weight=mu)
+            expert=[False] * n + [True] * k, expert_weight=mu,
+            images=None if self.images is None and demonstrations.images is None
+            else (self.images or [None] * n) + (demonstrations.images or [None] * k))
 
     def rows(self, keep: list[int]) -> "StepBatch":
         """The batch of rows `keep` (in that order): every per-row field picked, the rest kept."""

@@ -46,7 +46,7 @@ from rft.trainer.step_batch import (
     take_from_microbatch,
     teacher_scalars,
 )
-from rft.trainer.vision import mrope_of
+from rft.trainer.vision import image_inputs, mrope_of
 
 
 def _dp():
@@ -142,7 +142,8 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
                                 pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model),
                                 [routes[i] for i in idx] if routes is not None else None,
-                                [images[i] for i in idx] if images is not None else None, mrope)
+                                [image_inputs(model, images[i]) if images[i] else None for i in idx]
+                                if images is not None else None, mrope)
                 for idx in idx_chunks]
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0

@@ -43,7 +43,7 @@ from rft.trainer.flops import peak_tflops
 from rft.trainer.hf_weights import load_hf_weights
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.lora import LoRA
-from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
+from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state, model_chunks
 from rft.trainer.moe import RouterLoads
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
@@ -280,7 +280,8 @@ class Learner:
         cursor = self.runtime.state.track(name, build_selector(tasks, self.cfg.seed + stage.index, data.selector),
                                           restore=stage.resumed)
         self.data_scalars = row_scalars(rows, [path])  # logged with the stage's first step
-        return DatasetBatches(cursor, self.tokenizer, self.cfg.model.chat_template, data.messages_key)
+        return DatasetBatches(cursor, self.tokenizer, self.cfg.model.chat_template, data.messages_key,
+                              getattr(model_chunks(self.model)[0], "image_processor", None))
 
     def train(self, stage: Stage) -> dict[str, float]:
         """One optimizer step on the step's rows; its scalars."""

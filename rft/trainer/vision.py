@@ -41,13 +41,14 @@ class VisionLanguageGPT(GPTModel):
     (`vision`, transformers' module). `forward(..., images=ImageInputs)` embeds the tokens,
     puts the image features in place of the image tokens and runs the decoder on that."""
 
-    def __init__(self, *args, vision_config=None, image_token_id: int = -1, **kwargs):
+    def __init__(self, *args, vision_config=None, image_token_id: int = -1, image_processor=None, **kwargs):
         # the embedding is scattered over the sequence-parallel ranks here, after the image
         # features are in: Megatron's embedding would scatter the token embeddings alone
         super().__init__(*args, scatter_embedding_sequence_parallel=False, **kwargs)
         self.image_token_id = image_token_id
         # what every stage needs to lay out a microbatch's positions (forward.pack_microbatch's `mrope`)
         self.mrope = (image_token_id, vision_config.spatial_merge_size)
+        self.image_processor = image_processor  # encoded images -> patches, as vLLM makes them
         if self.pre_process:
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
@@ -78,6 +79,16 @@ class VisionLanguageGPT(GPTModel):
         if self.config.sequence_parallel:
             embeddings = scatter_to_sequence_parallel_region(embeddings)
         return embeddings
+
+
+def image_inputs(model, images: list[bytes]) -> ImageInputs:
+    """A row's encoded images as the vision tower's input, cut into patches by the model's image
+    processor (the one vLLM uses: rft/data/images.py)."""
+    from rft.data.images import decode
+
+    first = model.chunks[0] if hasattr(model, "chunks") else model
+    found = first.image_processor(images=[decode(image) for image in images], return_tensors="pt")
+    return ImageInputs(found["pixel_values"], found["image_grid_thw"])
 
 
 def mrope_of(model) -> tuple[int, int] | None:

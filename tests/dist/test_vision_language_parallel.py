@@ -9,11 +9,11 @@ import os
 import torch
 from dist_models import free_port, init_gloo, spawn
 
-from tests.unit.test_vision_language import _sequences, model_dir  # noqa: F401  (the tiny VL model fixture)
+from tests.unit.test_vision_language import _encoded, _sequences, model_dir  # noqa: F401  (the tiny VL model fixture)
 
 
 def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, out_dir: str,
-            prompts, responses, images) -> None:
+            prompts, responses, images, pictures) -> None:
     from megatron.core import parallel_state as ps
 
     from rft.config import AlgorithmConfig
@@ -34,7 +34,7 @@ def _worker(rank: int, world: int, tp: int, pp: int, port: int, model_dir: str, 
                          images=images, mrope=mrope_of(model))
     result = {"logprobs": forward_logprobs_pipelined(model, [mb]), "mask": mb.loss_mask}
     optimizer = MasterWeightsOptimizer(model, lambda masters: torch.optim.SGD(masters, lr=0.5))
-    batch = StepBatch(prompt_ids=prompts, response_ids=responses, images=images)
+    batch = StepBatch(prompt_ids=prompts, response_ids=responses, images=_encoded(pictures))
     train_step(model, optimizer, batch, AlgorithmConfig(name="sft", grad_clip=0.0), 3, 0)
     result["trained"] = dict(export_hf_weights_all(model, geo))
     result["last_stage"] = ps.is_pipeline_last_stage()
@@ -52,10 +52,10 @@ def _run(tp: int, pp: int, model_dir: str, out_dir: str, sequences) -> dict:
 def test_tp2_pp2_with_sequence_parallel_scores_as_transformers_and_trains_as_tp1(model_dir, tmp_path):  # noqa: F811
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    sequences = _sequences(model_dir)
+    sequences = _sequences(model_dir, with_pictures=True)
     reference, parallel = (_run(tp, pp, model_dir, str(tmp_path / f"tp{tp}pp{pp}"), sequences) for tp, pp in ((1, 1), (2, 2)))
     hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir).eval()
-    for row, (p, r, im) in enumerate(zip(*sequences)):
+    for row, (p, r, im, _) in enumerate(zip(*sequences)):
         ids = torch.tensor([p + r])
         kwargs = {} if im is None else {"pixel_values": im.pixel_values, "image_grid_thw": im.grid_thw}
         with torch.no_grad():
@@ -72,7 +72,7 @@ def test_tp2_pp2_with_sequence_parallel_scores_as_transformers_and_trains_as_tp1
     assert moved.abs().max() > 1e-6
 
 
-def _trainer(rank: int, world: int, cfg, port: int, out: str, prompts, responses, images) -> None:
+def _trainer(rank: int, world: int, cfg, port: int, out: str, prompts, responses, images, pictures) -> None:
     from megatron.core import parallel_state as ps
 
     from rft.config import AlgorithmConfig
@@ -91,7 +91,7 @@ def _trainer(rank: int, world: int, cfg, port: int, out: str, prompts, responses
     model, geo = build_gpt_model(cfg.model.path)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     optimizer = build_optimizer(model, lr=1e-2)
-    batch = StepBatch(prompt_ids=prompts, response_ids=responses, images=images)
+    batch = StepBatch(prompt_ids=prompts, response_ids=responses, images=_encoded(pictures))
     for _ in range(3):  # real optimizer steps move the weights, the vision tower's too, away from the checkpoint
         train_step(model, optimizer, batch, AlgorithmConfig(name="sft"), micro_batch_size=3, pad_id=0)
     mb = pack_microbatch(prompts, responses, 0, torch.device("cpu"), images=images, mrope=mrope_of(model))
@@ -123,7 +123,7 @@ def test_a_tp2_trainer_syncs_a_vision_language_model_into_vllm_which_then_scores
     before = engine.prompt_logprobs(narrow, pictures)
     port, out = free_port(), str(tmp_path / "trainer.pt")
     trainer = multiprocessing.get_context("spawn").Process(
-        target=spawn, args=(_trainer, 2, cfg, port, out, prompts, responses, images))
+        target=spawn, args=(_trainer, 2, cfg, port, out, prompts, responses, images, pictures))
     trainer.start()
     try:
         engine.open_weight_receiver(sync_layout(cfg, _info(cfg, 2, port + 10), False), 0)

@@ -20,6 +20,21 @@ def _image(width: int, height: int, colour: str) -> Image.Image:
     return image
 
 
+def _encoded(pictures: list) -> list:
+    """Each row's PIL images as PNG bytes (as experience rows and StepBatch hold them), None for none."""
+    import io
+
+    rows = []
+    for row in pictures:
+        encoded = []
+        for picture in row:
+            out = io.BytesIO()
+            picture.save(out, format="PNG")
+            encoded.append(out.getvalue())
+        rows.append(encoded or None)
+    return rows
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     return create_tiny_model(TinyModelConfig(vision=True), str(tmp_path_factory.mktemp("vl") / "model"), seed=0)

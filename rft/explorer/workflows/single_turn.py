@@ -13,5 +13,5 @@ from rft.explorer.workflows.registry import WORKFLOWS, WorkflowContext
 async def single_turn(task: Task, model: ModelClient, ctx: WorkflowContext) -> list[Experience]:
     """The task's messages (its system prompt, a messages prompt's turns, the prompt as the user
     turn: rft/data/prompts.py, as eval and SFT format them); `ctx.samples` replies, sampled in one request."""
-    convo = model.conversation(prompt_messages(task))
+    convo = model.conversation(prompt_messages(task), task.images)
     return [branch.experience() for branch in await convo.replies(ctx.samples)]

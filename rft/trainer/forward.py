@@ -100,22 +100,25 @@ def _with_images(mb: Microbatch, sequences: list[list[int]], images: list, image
     packed row's filler count on from 0, as in the 1D layout) and its sequences' images, joined."""
     from rft.trainer.vision import ImageInputs, mrope_positions
 
-    per_sequence = [mrope_positions(ids, [tuple(g) for g in (im.grid_thw.tolist() if im is not None else [])],
-                                    image_token_id, merge_size) for ids, im in zip(sequences, images)]
+    laid_out = [mrope_positions(ids, [tuple(g) for g in (im.grid_thw.tolist() if im is not None else [])],
+                                image_token_id, merge_size) for ids, im in zip(sequences, images)]
     width = mb.input_ids.shape[1]
     if mb.packed_seq_params is None:
         positions = mb.position_ids.cpu()[None].repeat(3, 1, 1)
-        for row, found in enumerate(per_sequence):
+        at = torch.zeros(mb.input_ids.shape, dtype=torch.bool)
+        for row, (found, at_image) in enumerate(laid_out):
             positions[:, row, : found.shape[1]] = found
+            at[row, : len(at_image)] = at_image
     else:
-        joined = torch.cat(per_sequence, dim=1)
-        filler = torch.arange(width - joined.shape[1]).expand(3, -1)
-        positions = torch.cat([joined, filler], dim=1)[:, None, :]
+        joined = torch.cat([found for found, _ in laid_out], dim=1)
+        filler = width - joined.shape[1]
+        positions = torch.cat([joined, torch.arange(filler).expand(3, -1)], dim=1)[:, None, :]
+        at = torch.cat([at_image for _, at_image in laid_out] + [torch.zeros(filler, dtype=torch.bool)])[None]
     mb.position_ids = positions.contiguous().to(mb.input_ids.device)
     present = [im for im in images if im is not None]
     if present:
         mb.images = ImageInputs(torch.cat([im.pixel_values for im in present]),
-                                torch.cat([im.grid_thw for im in present])).to(mb.input_ids.device)
+                                torch.cat([im.grid_thw for im in present]), at).to(mb.input_ids.device)
 
 
 def _laid_out(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device: torch.device,

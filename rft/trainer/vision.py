@@ -31,9 +31,11 @@ class ImageInputs:
 
     pixel_values: torch.Tensor  # [patches, channels x temporal patch x patch x patch]
     grid_thw: torch.Tensor  # [images, 3] int64
+    at: torch.Tensor | None = None  # a microbatch's: [b, s] bool, the tokens whose embeddings are image features
 
     def to(self, device: torch.device) -> "ImageInputs":
-        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device))
+        return ImageInputs(self.pixel_values.to(device), self.grid_thw.to(device),
+                           None if self.at is None else self.at.to(device))
 
 
 class VisionLanguageGPT(GPTModel):
@@ -69,7 +71,7 @@ class VisionLanguageGPT(GPTModel):
         embeddings = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h], whole on every TP rank
         if images is not None:
             features = self.vision(images.pixel_values.to(embeddings.dtype), grid_thw=images.grid_thw).pooler_output
-            at_images = (input_ids == self.image_token_id).unsqueeze(-1)  # [b, s, 1]
+            at_images = images.at.unsqueeze(-1)  # [b, s, 1]: the prompts' image tokens, not a sampled one
             if int(at_images.sum()) != features.shape[0]:
                 raise ValueError(f"{int(at_images.sum())} image tokens in the microbatch but its images make "
                                  f"{features.shape[0]} features: a prompt's image tokens and its images differ")
@@ -99,26 +101,33 @@ def mrope_of(model) -> tuple[int, int] | None:
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,
-                    merge_size: int) -> torch.Tensor:
+                    merge_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Multimodal RoPE positions [3, len(ids)] of one sequence (temporal, height, width), as
-    transformers' Qwen2.5-VL computes them for images: text tokens count on by one in all three;
-    an image's tokens (its grid merged `merge_size` x `merge_size`) take the position where it
+    transformers' Qwen2.5-VL computes them for images, and which tokens hold image features
+    [len(ids)] bool. Text tokens count on by one in all three; an image's tokens (its grid merged
+    `merge_size` x `merge_size`, the first image tokens not yet taken) take the position where it
     starts plus their row and column, and the text after it goes on from past the image's larger
-    side. Written out here rather than calling transformers' `get_rope_index`: that one works on a
+    side. An image token after the images (one the policy sampled) is text, as vLLM reads it.
+    Written out here rather than calling transformers' `get_rope_index`: that one works on a
     padded batch and its arguments changed within transformers 5; a packed microbatch needs each
     sequence's positions from 0."""
-    pieces, position, i, images = [], 0, 0, iter(grids)
+    pieces, at_image, position, i, taken = [], [], 0, 0, 0
     while i < len(ids):
-        if ids[i] != image_token_id:
-            run = i
-            while run < len(ids) and ids[run] != image_token_id:
-                run += 1
-            pieces.append(torch.arange(position, position + run - i).expand(3, -1))
-            position, i = position + run - i, run
+        if ids[i] == image_token_id and taken < len(grids):
+            t, h, w = grids[taken]
+            h, w, taken = h // merge_size, w // merge_size, taken + 1
+            if ids[i: i + t * h * w] != [image_token_id] * (t * h * w):
+                raise ValueError(f"an image of {t * h * w} tokens, but its run of image tokens at {i} is shorter")
+            block = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
+            pieces.append(block.reshape(3, -1) + position)
+            at_image += [True] * (t * h * w)
+            position, i = position + max(h, w), i + t * h * w
             continue
-        t, h, w = next(images)
-        h, w = h // merge_size, w // merge_size
-        grid = torch.stack(torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij"))
-        pieces.append(grid.reshape(3, -1) + position)
-        position, i = position + max(h, w), i + t * h * w
-    return torch.cat(pieces, dim=1) if pieces else torch.zeros((3, 0), dtype=torch.int64)
+        run = i + 1  # text up to the next image's first token
+        while run < len(ids) and not (ids[run] == image_token_id and taken < len(grids)):
+            run += 1
+        pieces.append(torch.arange(position, position + run - i).expand(3, -1))
+        at_image += [False] * (run - i)
+        position, i = position + run - i, run
+    positions = torch.cat(pieces, dim=1) if pieces else torch.zeros((3, 0), dtype=torch.int64)
+    return positions, torch.tensor(at_image, dtype=torch.bool)

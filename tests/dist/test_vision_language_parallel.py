@@ -140,3 +140,59 @@ def test_a_tp2_trainer_syncs_a_vision_language_model_into_vllm_which_then_scores
         mask = trained["mask"][row, : len(a)].bool()
         assert (torch.tensor(a)[mask] - expected[mask]).abs().max().item() <= 1e-3, row
         assert (torch.tensor(b)[mask] - expected[mask]).abs().max().item() > 1e-2, row
+
+
+def _score_experiences(rank: int, world: int, model_dir: str, port: int, out: str, table) -> None:
+    from rft.buffer.experience import from_table
+    from rft.trainer.forward import pack_microbatch
+    from rft.trainer.hf_weights import load_hf_weights
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.pipeline import forward_logprobs_pipelined
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.vision import image_inputs, mrope_of
+
+    init_gloo(rank, world, port, 1, 1)
+    model, geo = build_gpt_model(model_dir)
+    load_hf_weights(model, load_hf_state(model_dir), geo)
+    batch = StepBatch.from_experiences(from_table(table))
+    mb = pack_microbatch(batch.prompt_ids, batch.response_ids, 0, torch.device("cpu"),
+                         images=[image_inputs(model, row) if row else None for row in batch.images], mrope=mrope_of(model))
+    torch.save({"logprobs": forward_logprobs_pipelined(model, [mb])[0], "mask": mb.loss_mask}, out)
+
+
+def test_a_rollout_of_an_image_task_lands_in_experience_that_the_trainer_scores_as_vllm_sampled(model_dir, tmp_path):  # noqa: F811
+    """The path an image takes in a run: a task's image and placeholder, a conversation that widens
+    it and gives vLLM the image, experience rows (through a shard's table) holding the widened ids
+    and the encoded image, and the trainer re-cutting that image into patches: its logprobs of the
+    sampled tokens equal vLLM's."""
+    from rft.buffer.experience import to_table
+    from rft.config import ModelConfig, RolloutConfig
+    from rft.data.chat_format import chat_format
+    from rft.data.images import PLACEHOLDER
+    from rft.explorer.model_client import ModelClient, Sampling
+    from rft.explorer.vllm_engine import LoopThread, RolloutEngine
+
+    _, _, _, pictures = _sequences(model_dir, with_pictures=True)
+    encoded = _encoded(pictures)
+    engine = RolloutEngine(ModelConfig(name="tiny-vl", path=model_dir), RolloutConfig(kv_cache_gb=0.1),
+                           seed=0, max_model_len=64)
+    try:
+        client = ModelClient(engine, chat_format(engine.tokenizer, False), Sampling(max_new_tokens=6), seed=3)
+        experiences = []
+        for row in (0, 1):  # two image sizes: 4 and 8 image tokens
+            convo = client.conversation([{"role": "user", "content": PLACEHOLDER + "colour?"}], tuple(encoded[row]))
+            branches = engine.run(convo.replies(2))
+            experiences += [b.experience(reward=1.0) for b in branches]
+    finally:
+        engine.close()
+    pad = engine.image_pad
+    assert [e.token_ids[: e.prompt_length].count(pad) for e in experiences] == [4, 4, 8, 8]
+    assert all(e.images == encoded[i // 2] for i, e in enumerate(experiences))
+    out = str(tmp_path / "scored.pt")
+    spawn(_score_experiences, 1, model_dir, free_port(), out, to_table(experiences))
+    scored = torch.load(out)
+    for row, e in enumerate(experiences):
+        sampled = torch.tensor(e.logprobs[e.prompt_length:])
+        ours = scored["logprobs"][row][scored["mask"][row].bool()]
+        assert len(ours) == len(sampled) and (ours - sampled).abs().max() <= 1e-3, (row, ours, sampled)
+    del LoopThread

@@ -135,3 +135,16 @@ def test_an_image_changes_the_scores_after_it(model_dir):
         b = hf(input_ids=ids, mm_token_type_ids=(ids == hf.config.image_token_id).int(),
                pixel_values=found["pixel_values"], image_grid_thw=found["image_grid_thw"]).logits
     assert (a[0, -1] - b[0, -1]).abs().max() > 1e-3
+
+
+def test_an_image_token_the_policy_sampled_after_the_images_is_text():
+    """vLLM marks image tokens where its processor put them; one the model samples later is text.
+    The trainer agrees: after the images' own tokens, an image token counts on as text."""
+    from rft.trainer.vision import mrope_positions
+
+    pad = 9
+    ids = [1, 2, pad, pad, pad, pad, 3, 4, pad, 5]  # a 4 x 4 patch grid merged 2 x 2: 4 tokens, then a sampled pad
+    positions, at_image = mrope_positions(ids, [(1, 4, 4)], pad, 2)
+    assert at_image.tolist() == [False, False, True, True, True, True, False, False, False, False]
+    assert positions[:, 2:6].tolist() == [[2, 2, 2, 2], [2, 2, 3, 3], [2, 3, 2, 3]]
+    assert positions[:, 6:].tolist() == [[4, 5, 6, 7]] * 3  # on from past the image's larger side (2)

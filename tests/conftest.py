@@ -124,7 +124,7 @@ _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "test
                  "tests/e2e/test_bench.py", "tests/e2e/test_sweep_relaunch.py", "tests/e2e/test_data_pipeline.py",
                  "tests/e2e/test_first_contact.py", "tests/e2e/test_quickstart.py", "tests/e2e/test_free_run.py",
                  "tests/e2e/test_distillation.py", "tests/e2e/test_algorithm_presets_run.py", "tests/e2e/test_async.py",
-                 "tests/e2e/test_ppo_resume.py")
+                 "tests/e2e/test_ppo_resume.py", "tests/e2e/test_quickstart_vl.py")
 
 
 def _unit_of(path: str) -> str:

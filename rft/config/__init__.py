@@ -17,6 +17,7 @@ from rft.config.data import (
                              EnvTasksConfig,
                              JudgeDifficultyConfig,
                              SelectorConfig,
+                             ShapesTaskConfig,
                              operator_specs,
 )
 from rft.config.derived import (
@@ -46,7 +47,7 @@ __all__ = [
     "LORA_TARGETS", "LR_DECAYS", "VLLM_LORA_RANKS", "AlgorithmConfig", "ArithmeticTaskConfig", "BenchConfig",
     "BufferConfig", "ClusterConfig", "DataConfig", "EnvTasksConfig", "JudgeConfig", "JudgeDifficultyConfig",
     "LoRAConfig", "ModelConfig", "MonitorConfig", "RFTConfig", "ReplayConfig", "RolloutConfig", "RunConfig",
-    "SelectorConfig", "ServeConfig", "StageConfig", "SyncConfig", "TinyModelConfig", "TrainerConfig",
+    "SelectorConfig", "ServeConfig", "ShapesTaskConfig", "StageConfig", "SyncConfig", "TinyModelConfig", "TrainerConfig",
     "adapter_sync", "buffer_dir", "config_error", "context_length", "field_doc", "generated_data", "hf_config_json",
     "judge_model", "judge_span", "needs_critic", "needs_rollouts", "operator_specs", "register_configs", "stage_configs",
     "sync_engine", "trains_lora", "vllm_lora_rank", "wire_dtype", "world_size",

@@ -139,9 +139,10 @@ def validate(cfg: RFTConfig) -> None:
     for name, stage in stage_configs(cfg) if cfg.mode != "serve" else ():  # serving reads no tasksets
         prefix = f"stages[{name}]." if cfg.stages else ""
         algo, trainer, rollout, data = stage.algorithm, stage.trainer, stage.rollout, stage.data
-        if data.arithmetic is not None and data.eval_path is None:
-            config_error(f"{prefix}data.eval_path", None, "data.arithmetic writes a held-out set there; "
-                                                   "set it to a .jsonl path")
+        for generator in ("arithmetic", "shapes"):
+            if getattr(data, generator) is not None and data.eval_path is None:
+                config_error(f"{prefix}data.eval_path", None, f"data.{generator} writes a held-out set there; "
+                                                       "set it to a .jsonl path")
         if data.from_env is not None:
             plugin_checks.check_env_tasks(prefix, stage)
         _check_file(f"{prefix}data.train_path", data.train_path, data.train_path in written)

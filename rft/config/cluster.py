@@ -18,6 +18,7 @@ class SyncConfig:
     wire_dtype: str = "auto"  # dtype on the wire: auto (model.dtype, the engine's: vLLM samples from the weights trained) | a dtype (narrower: fewer bytes, vLLM samples from rounded weights)
     checkpoint_dir: Optional[str] = None  # checkpoint engine: where versions go (default: <run>/weights)
     timeout_s: float = 600.0  # a collective that takes longer fails, naming the peer
+    start_timeout_s: float = 900.0  # opening a weight group (the first sync, after a restart or a lost engine) waits this long for every member: engines still starting (vLLM's start, a big model's load) or trainers still resuming; a member that died is named by the launcher sooner
     lora: str = "merged"  # LoRA stages: merged (W + B A, every weight) | adapter (A and B only, vLLM's LoRA)
 
 

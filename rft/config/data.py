@@ -68,6 +68,16 @@ class ArithmeticTaskConfig:
 
 
 @dataclass
+class ShapesTaskConfig:
+    """Synthetic pictures of one coloured shape and the question of its colour (rft/data/shapes.py),
+    for vision-language models, written with a fixed seed before launch."""
+
+    num_train: int = 2000  # training pictures
+    num_eval: int = 200  # held-out pictures
+    image_size: int = 56  # pixels per side (the tiny vision-language model: 56 x 56 is 4 image tokens)
+
+
+@dataclass
 class EnvTasksConfig:
     """Tasksets drawn by the environment itself (its `sample_tasks`, or `sample_demos` for SFT
     conversations), written to data.train_path / data.eval_path before launch."""
@@ -95,6 +105,7 @@ class DataConfig:
     eval_limit: Optional[int] = None  # evaluate on the first N eval rows (None: all)
     overlong: str = "skip"  # rows longer than the context: skip (counted) | truncate_left (cut the prompt's start) | error
     arithmetic: Optional[ArithmeticTaskConfig] = None  # if set, generate train/eval files before launch
+    shapes: Optional[ShapesTaskConfig] = None  # if set, generate coloured-shape pictures and their train/eval files before launch (vision-language models)
     from_env: Optional[EnvTasksConfig] = None  # if set, rollout.env writes train/eval files before launch
     messages_key: str = "messages"  # SFT rows: a column of chat messages trains every assistant turn
     selector: SelectorConfig = field(default_factory=SelectorConfig)  # which tasks each step explores

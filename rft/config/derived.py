@@ -73,12 +73,13 @@ def vllm_lora_rank(cfg: RFTConfig) -> int:
 
 def generated_data(cfg: RFTConfig) -> list[RFTConfig]:
     """The configs whose data sections the launcher writes before launch (rft.launch.compose.prepare): the
-    top level's if it sets data.arithmetic or data.from_env, and each stage's that sets one of
-    them itself. A stage that only inherits the top level's generator reads its own files: they
-    are the user's, never overwritten."""
-    sections = [cfg] if cfg.data.arithmetic is not None or cfg.data.from_env is not None else []
+    top level's if it sets data.arithmetic, data.shapes or data.from_env, and each stage's that sets
+    one of them itself. A stage that only inherits the top level's generator reads its own files:
+    they are the user's, never overwritten."""
+    generators = ("arithmetic", "shapes", "from_env")
+    sections = [cfg] if any(getattr(cfg.data, g) is not None for g in generators) else []
     for stage, (_, resolved) in zip(cfg.stages, stage_configs(cfg) if cfg.stages else []):
-        if stage.data and ("arithmetic" in stage.data or "from_env" in stage.data):
+        if stage.data and any(g in stage.data for g in generators):
             sections.append(resolved)
     return sections
 

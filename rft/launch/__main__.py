@@ -60,6 +60,7 @@ def main(dcfg: DictConfig) -> None:
 # Sections that are null unless a config sets them (Optional[...] in the schema, rft/config/), and a config
 # that sets each
 UNSET_SECTIONS = {"model.tiny": "conf/model/tiny_qwen2.yaml", "data.arithmetic": "conf/experiment/quickstart.yaml",
+                  "data.shapes": "conf/experiment/quickstart_vl.yaml",
                   "data.from_env": "conf/experiment/quickstart_agent.yaml"}
 
 

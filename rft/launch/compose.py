@@ -29,6 +29,10 @@ def prepare(cfg: RFTConfig) -> None:
         data = section.data
         if data.from_env is not None:
             write_env_tasksets(section.rollout.env, data.from_env, data.train_path, data.eval_path, cfg.seed)
+        elif data.shapes is not None:
+            from rft.data.shapes import write_shapes_tasksets
+
+            write_shapes_tasksets(data.shapes, data.train_path, data.eval_path, cfg.seed)
         else:
             write_arithmetic_tasksets(data.arithmetic, data.train_path, data.eval_path, cfg.seed)
     if cfg.model.tiny is not None:

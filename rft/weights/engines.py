@@ -69,6 +69,11 @@ class SyncLayout:
     bucket_bytes: int
     checkpoint_dir: str
     groups: str = "stage"  # weight group s is named <groups><s>: a new name when the members change
+    open_timeout_s: float | None = None  # how long opening a group waits for its members (None: timeout_s)
+
+    @property
+    def opening_s(self) -> float:
+        return self.timeout_s if self.open_timeout_s is None else max(self.timeout_s, self.open_timeout_s)
 
     def peer_names(self, stage: int) -> list[str]:
         """Names of weight group `stage`'s members in group-rank order."""
@@ -100,7 +105,8 @@ def sync_layout(cfg: RFTConfig, topology: Topology, on_gpu: bool, engines: list[
     return SyncLayout(
         engine=sync_engine(cfg.sync, on_gpu, cfg.cluster.colocate), host=topology.master_addr, port=topology.weight_port,
         sender_ranks=[s * per_stage for s in range(cfg.trainer.pipeline_parallel_size)],
-        receiver_names=receivers, timeout_s=cfg.sync.timeout_s, bucket_bytes=cfg.sync.bucket_mb << 20,
+        receiver_names=receivers, timeout_s=cfg.sync.timeout_s, open_timeout_s=cfg.sync.start_timeout_s,
+        bucket_bytes=cfg.sync.bucket_mb << 20,
         checkpoint_dir=cfg.sync.checkpoint_dir or os.path.join(cfg.run.output_dir, "weights"),
         groups=(f"stage-without-{'-'.join(lost)}-" if lost else "stage") + (f"-restart{restarts}-" if restarts else ""))
 
@@ -119,9 +125,9 @@ class BroadcastSender:
     def send(self, table: TensorTable, tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> int:
         lay = self.layout
         if self.group is None:
-            self.store = store = self.store or open_store(lay.host, lay.port, self.stage == 0, lay.timeout_s)
+            self.store = store = self.store or open_store(lay.host, lay.port, self.stage == 0, lay.opening_s)
             self.group = open_weight_group(store, f"{lay.groups}{self.stage}", 0, 1 + len(lay.receiver_names),
-                                           lay.timeout_s, lay.peer_names(self.stage), lay.engine)
+                                           lay.timeout_s, lay.peer_names(self.stage), lay.engine, lay.opening_s)
         return send_weights(self.group, table, tensors, version, lay.bucket_bytes)
 
 
@@ -134,9 +140,9 @@ class BroadcastReceiver:
         """The next sync the senders broadcast (it is the version they send: `version` is not needed)."""
         lay = self.layout
         if not self.groups:
-            store = open_store(lay.host, lay.port, False, lay.timeout_s)
+            store = open_store(lay.host, lay.port, False, lay.opening_s)
             self.groups = [open_weight_group(store, f"{lay.groups}{s}", 1 + self.index, 1 + len(lay.receiver_names),
-                                             lay.timeout_s, lay.peer_names(s), lay.engine)
+                                             lay.timeout_s, lay.peer_names(s), lay.engine, lay.opening_s)
                            for s in range(len(lay.sender_ranks))]
         versions, tail_s = set(), 0.0
         for group in self.groups:  # stage by stage, in the order every member uses

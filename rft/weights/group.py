@@ -95,10 +95,11 @@ def _has(store: dist.Store, key: str) -> bool:
 
 
 def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, timeout_s: float,
-                      peer_names: list[str], backend: str = "gloo") -> WeightGroup:
+                      peer_names: list[str], backend: str = "gloo", open_timeout_s: float | None = None) -> WeightGroup:
     """Join weight group `name` as group rank `rank` (0 = the sender). Blocks until all joined, at
-    most `timeout_s` (PeerTimeoutError naming who did not come); an NCCL group's communicator is
-    built here, not in the first broadcast.
+    most `open_timeout_s` (default `timeout_s`; PeerTimeoutError naming who did not come): members
+    may still be starting, which takes longer than a collective; `timeout_s` bounds the group's
+    collectives. An NCCL group's communicator is built here, not in the first broadcast.
 
     `peer_names[i]` describes group rank i (e.g. "trainer rank 0 (PP stage 0)", "rollout rank 1
     worker 0") so errors name the peer in terms the user knows. `backend` is "gloo" (CPU tensors)
@@ -106,7 +107,8 @@ def open_weight_group(store: dist.Store, name: str, rank: int, world_size: int, 
     """
     timeout = datetime.timedelta(seconds=timeout_s)
     prefixed = dist.PrefixStore(f"rft-weights/{name}", store)
-    wait_for_members(prefixed, name, rank, world_size, timeout_s, peer_names)
+    wait_for_members(prefixed, name, rank, world_size, timeout_s if open_timeout_s is None else open_timeout_s,
+                     peer_names)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -58,7 +58,7 @@ class _Rows(HTMLParser):
 def config_tree_keys() -> dict[str, object]:
     """Every key of the typed config -> its default, walked through OmegaConf (sections that are
     null unless set, and a stage's keys, from their own schema)."""
-    from rft.config import ArithmeticTaskConfig, EnvTasksConfig, StageConfig, TinyModelConfig
+    from rft.config import ArithmeticTaskConfig, EnvTasksConfig, ShapesTaskConfig, StageConfig, TinyModelConfig
 
     found: dict[str, object] = {}
 
@@ -78,7 +78,8 @@ def config_tree_keys() -> dict[str, object]:
     walk(OmegaConf.structured(RFTConfig), "")
     del found["stages"]
     for key, schema in {"model.tiny": TinyModelConfig, "data.arithmetic": ArithmeticTaskConfig,
-                        "data.from_env": EnvTasksConfig, "stages[]": StageConfig}.items():
+                        "data.shapes": ShapesTaskConfig, "data.from_env": EnvTasksConfig,
+                        "stages[]": StageConfig}.items():
         walk(OmegaConf.structured(schema), key + ".")
     return found
 

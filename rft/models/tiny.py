@@ -149,7 +149,7 @@ def _vision_language_model(cfg: TinyModelConfig, tokenizer, seed: int):
                            fullatt_block_indexes=[1], in_channels=3),
         image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
         vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=cfg.tie_word_embeddings, torch_dtype="float32")
+        tie_word_embeddings=cfg.tie_word_embeddings, dtype="float32")
     torch.manual_seed(seed)
     return Qwen2_5_VLForConditionalGeneration(config)
 

@@ -55,7 +55,7 @@ class VisionLanguageGPT(GPTModel):
             from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
             self.vision = Qwen2_5_VisionTransformerPretrainedModel._from_config(
-                vision_config, torch_dtype=self.config.params_dtype)
+                vision_config, dtype=self.config.params_dtype)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask, decoder_input=None,
                 images: ImageInputs | None = None, **kwargs):

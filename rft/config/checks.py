@@ -21,7 +21,7 @@ from rft.config import judge_checks, layout_checks, mode_checks, plugin_checks
 from rft.config.derived import generated_data, needs_rollouts, stage_configs
 from rft.config.errors import config_error
 from rft.config.memory_checks import check_colocated_memory
-from rft.config.model import context_length
+from rft.config.model import context_length, hf_config_json
 from rft.config.run import RFTConfig
 from rft.config.trainer import LORA_TARGETS
 
@@ -184,6 +184,8 @@ def validate(cfg: RFTConfig) -> None:
                              f"use some of {list(LORA_TARGETS)}")
             if not 0 <= trainer.lora.dropout < 1:
                 config_error(f"{prefix}trainer.lora.dropout", trainer.lora.dropout, "use a value in [0, 1)")
+        if trainer.freeze_vision:
+            _check_freeze_vision(cfg, prefix, trainer)
         if trainer.loss_scale is not None and trainer.loss_scale <= 0:
             config_error(f"{prefix}trainer.loss_scale", trainer.loss_scale,
                          "use a positive scale, or null for dynamic scaling with fp16 (1 with bf16/fp32)")
@@ -269,3 +271,17 @@ def validate(cfg: RFTConfig) -> None:
         config_error("buffer.format", cfg.buffer.format, "use `parquet` or `arrow`")
 
 
+def _check_freeze_vision(cfg: RFTConfig, prefix: str, trainer) -> None:
+    """trainer.freeze_vision needs a vision tower, and is for full training (LoRA trains adapters
+    on the language model's layers only, the vision tower already untouched)."""
+    from rft.models.families import is_vision_language
+
+    tiny = cfg.model.tiny
+    if not (tiny.vision if tiny is not None else is_vision_language(hf_config_json(cfg.model) or {})):
+        config_error(f"{prefix}trainer.freeze_vision", True, f"model {cfg.model.name} has no vision tower; drop it")
+    if prefix and not cfg.trainer.freeze_vision:
+        config_error(f"{prefix}trainer.freeze_vision", True, "it holds for the whole run: set trainer.freeze_vision "
+                     "at the top level, not in one stage")
+    if trainer.lora.rank:
+        config_error(f"{prefix}trainer.freeze_vision", True, "a LoRA stage trains adapters on the language model "
+                     "only: the vision tower keeps its weights already; drop trainer.freeze_vision")

@@ -48,3 +48,4 @@ class TrainerConfig:
     sequence_parallel: bool = False  # with TP > 1: norms and residuals hold 1/TP of the sequence each (Megatron's SP)
     transformer_impl: str = "auto"  # auto (Transformer Engine on GPUs where it imports, without LoRA) | local | transformer_engine
     lora: LoRAConfig = field(default_factory=LoRAConfig)  # rank > 0: only adapters train, merged at the stage end
+    freeze_vision: bool = False  # vision-language models: the vision tower keeps the weights it started with (for the whole run); only the language model trains

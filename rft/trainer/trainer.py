@@ -72,6 +72,10 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                                  moe_aux_loss_coeff=cfg.trainer.moe_aux_loss_coeff,
                                  logprob_chunk=cfg.trainer.logprob_chunk)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
+    if cfg.trainer.freeze_vision:
+        from rft.trainer.vision import freeze_vision
+
+        freeze_vision(model)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     # startup: model built and weights loaded (tools/bench_startup.py reads it from the rank's summary)
     runtime.progress.add(startup_s=time.time() - started, train_s=0.0, sync_s=0.0, buffer_s=0.0, wait_s=0.0,

@@ -93,6 +93,17 @@ def image_inputs(model, images: list[bytes]) -> ImageInputs:
     return ImageInputs(found["pixel_values"], found["image_grid_thw"])
 
 
+def freeze_vision(model) -> int:
+    """trainer.freeze_vision: the vision tower's parameters take no gradient (the optimizer, the
+    master weights and the gradient all-reduce only see parameters that do); returns how many."""
+    frozen = 0
+    for chunk in (model.chunks if hasattr(model, "chunks") else [model]):
+        if hasattr(chunk, "vision"):
+            chunk.vision.requires_grad_(False)
+            frozen += sum(p.numel() for p in chunk.vision.parameters())
+    return frozen
+
+
 def mrope_of(model) -> tuple[int, int] | None:
     """(image token id, merge size) of a vision-language trainer model (any stage, any chunk), None
     for a language model: what `pack_microbatch` needs for multimodal RoPE positions."""

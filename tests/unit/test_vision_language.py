@@ -148,3 +148,46 @@ def test_an_image_token_the_policy_sampled_after_the_images_is_text():
     assert at_image.tolist() == [False, False, True, True, True, True, False, False, False, False]
     assert positions[:, 2:6].tolist() == [[2, 2, 2, 2], [2, 2, 3, 3], [2, 3, 2, 3]]
     assert positions[:, 6:].tolist() == [[4, 5, 6, 7]] * 3  # on from past the image's larger side (2)
+
+
+def _frozen_step(rank: int, port: int, model_dir: str, out: str, prompts, responses, encoded) -> None:
+    from rft.config import AlgorithmConfig
+    from rft.trainer.hf_weights import load_hf_weights
+    from rft.trainer.master_weights import MasterWeightsOptimizer
+    from rft.trainer.model import build_gpt_model, load_hf_state
+    from rft.trainer.step_batch import StepBatch
+    from rft.trainer.train_step import train_step
+    from rft.trainer.vision import freeze_vision
+
+    init_one_rank(port)
+    model, geo = build_gpt_model(model_dir)
+    load_hf_weights(model, load_hf_state(model_dir), geo)
+    frozen = freeze_vision(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = MasterWeightsOptimizer(model, lambda masters: torch.optim.SGD(masters, lr=0.5))
+    train_step(model, optimizer, StepBatch(prompt_ids=prompts, response_ids=responses, images=encoded),
+               AlgorithmConfig(name="sft", grad_clip=0.0), 3, 0)
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    torch.save({"frozen": frozen, "moved": moved, "names": set(before)}, out)
+
+
+def test_a_frozen_vision_tower_keeps_its_weights_while_the_language_model_trains(model_dir, tmp_path):
+    prompts, responses, _, pictures = _sequences(model_dir, with_pictures=True)
+    out = str(tmp_path / "out.pt")
+    start_ranks(_frozen_step, 1, free_port(), model_dir, out, prompts, responses, _encoded(pictures))
+    result = torch.load(out)
+    vision = {n for n in result["names"] if n.startswith("vision.")}
+    assert result["frozen"] > 0 and vision
+    assert not result["moved"] & vision  # the tower kept its weights
+    assert any(n.startswith("decoder.") for n in result["moved"])  # the language model trained
+
+
+def test_freeze_vision_is_refused_for_a_model_without_a_vision_tower():
+    from tests.unit.test_config import compose_cfg
+
+    from rft.config.checks import validate
+
+    cfg = compose_cfg("+experiment=quickstart", "trainer.freeze_vision=true")
+    with pytest.raises(ValueError, match=r"trainer.freeze_vision=True is invalid: model tiny-qwen2 has no vision tower"):
+        validate(cfg)
+    validate(compose_cfg("+experiment=quickstart_vl", "trainer.freeze_vision=true"))

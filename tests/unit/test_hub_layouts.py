@@ -109,7 +109,7 @@ def test_format_prompt_renders_what_the_workflow_sends(tmp_path):
             format = fmt
             sent = None
 
-            def conversation(self, messages):
+            def conversation(self, messages, images=()):
                 Model.sent = Conversation(self, messages)
                 return self
 

@@ -22,7 +22,8 @@ import os
 from typing import Any
 
 MARK = "<image>"  # where a prompt's image goes
-PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"  # Qwen2.5-VL's, one <|image_pad|> per image
+IMAGE_PAD = "<|image_pad|>"  # Qwen2.5-VL's image token: one per image in a prompt, one per merged patch in the model
+PLACEHOLDER = f"<|vision_start|>{IMAGE_PAD}<|vision_end|>"
 
 
 def read_images(value: Any, key: str, base_dir: str) -> tuple[bytes, ...]:
@@ -94,21 +95,26 @@ def image_processor(model_path: str):
     return AutoImageProcessor.from_pretrained(model_path)
 
 
-def token_counts(processor, images: list[bytes]) -> list[int]:
-    """How many image tokens each image becomes: its patches, merged merge_size x merge_size."""
+def widen(ids: list[int], pad_id: int, processor, images: list[bytes]) -> list[int]:
+    """`ids` with the i-th <|image_pad|> repeated as many times as image i has tokens (its patches,
+    merged merge_size x merge_size, as `processor` cuts them): the sequence the model runs on."""
     grids = processor(images=[decode(image) for image in images], return_tensors="pt")["image_grid_thw"]
-    return [int(grid.prod()) // processor.merge_size ** 2 for grid in grids]
-
-
-def widen(ids: list[int], pad_id: int, counts: list[int]) -> list[int]:
-    """`ids` with the i-th <|image_pad|> repeated counts[i] times: the sequence the model runs on."""
-    out, images = [], iter(counts)
+    counts = iter(int(grid.prod()) // processor.merge_size ** 2 for grid in grids)
+    out = []
     for token in ids:
-        out.extend([pad_id] * next(images) if token == pad_id else [token])
+        out.extend([pad_id] * next(counts) if token == pad_id else [token])
     return out
 
 
-def narrow(ids: list[int], pad_id: int) -> list[int]:
-    """`widen` undone: each run of <|image_pad|> as one, as vLLM is given a prompt (its processor
-    widens each again; given widened ids it widens the first of them)."""
-    return [t for i, t in enumerate(ids) if t != pad_id or i == 0 or ids[i - 1] != pad_id]
+def narrow(ids: list[int], pad_id: int, images: int) -> list[int]:
+    """`widen` undone for the first `images` runs of <|image_pad|> (each as one), as vLLM is given a
+    prompt: its processor widens each again (given widened ids it widened the first of them). An
+    image token the policy sampled after them stays as it is."""
+    out, in_image, runs = [], False, 0
+    for token in ids:
+        if token == pad_id and in_image:
+            continue
+        in_image = token == pad_id and runs < images
+        runs += in_image
+        out.append(token)
+    return out

@@ -71,7 +71,8 @@ class ModelClient:
         if images:  # vLLM is given one <|image_pad|> per image and widens it itself
             from rft.data.images import narrow
 
-            completions = await self.engine.generate(narrow(token_ids, self.engine.image_pad), params, images)
+            completions = await self.engine.generate(narrow(token_ids, self.engine.image_pad, len(images)), params,
+                                                     images)
         else:
             completions = await self.engine.generate(token_ids, params)
         return completions if n > 1 else completions[0]
@@ -100,10 +101,10 @@ class Conversation:
         self.token_ids = client.format.prompt_ids(self.messages)
         self.images = list(images)
         if self.images:  # the ids the model runs on: each image as its tokens (rft/data/images.py)
-            from rft.data.images import token_counts, widen
+            from rft.data.images import widen
 
             engine = client.engine
-            self.token_ids = widen(self.token_ids, engine.image_pad, token_counts(engine.image_processor, self.images))
+            self.token_ids = widen(self.token_ids, engine.image_pad, engine.image_processor, self.images)
         self.prompt_length = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_length
         self.logprobs = [0.0] * self.prompt_length

@@ -123,7 +123,7 @@ class RolloutEngine:
         self.images = serves_images(model.path)
         if self.images:  # a vision-language model: prompts carry images (videos: not yet)
             kwargs["limit_mm_per_prompt"] = {"image": rollout.images_per_prompt, "video": 0}
-            from rft.data.images import image_processor
+            from rft.data.images import IMAGE_PAD, image_processor
 
             self.image_processor = image_processor(model.path)
         kwargs.update(memory_kwargs(rollout, on_gpu=torch.cuda.is_available()))
@@ -144,7 +144,7 @@ class RolloutEngine:
             os.environ["TORCH_COMPILE_DISABLE"] = "1"
             torch._dynamo.config.disable = True
         self.tokenizer = AutoTokenizer.from_pretrained(model.path)
-        self.image_pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>") if self.images else None
+        self.image_pad = self.tokenizer.convert_tokens_to_ids(IMAGE_PAD) if self.images else None
         self.loop, self._own_loop = loop or LoopThread(), loop is None
         self._args = AsyncEngineArgs(**kwargs)
         # rollout.on_engine_failure=restart (rft/explorer/engine_restart.py): where each sync's weights

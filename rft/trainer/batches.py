@@ -50,10 +50,9 @@ class DatasetBatches:
     def prompt_ids(self, task: Task) -> list[int]:
         ids = self.tokenizer(format_prompt(task, self.tokenizer, self.chat_template), add_special_tokens=False).input_ids
         if task.images:  # each image as the tokens the model runs on, as a rollout widens them
-            from rft.data.images import token_counts, widen
+            from rft.data.images import IMAGE_PAD, widen
 
-            pad = self.tokenizer.convert_tokens_to_ids("<|image_pad|>")
-            ids = widen(ids, pad, token_counts(self.image_processor, list(task.images)))
+            ids = widen(ids, self.tokenizer.convert_tokens_to_ids(IMAGE_PAD), self.image_processor, list(task.images))
         return ids
 
     def sft(self, n: int) -> StepBatch:

@@ -135,15 +135,21 @@ def train_step(model, optimizer: TrainerOptimizer, batch: StepBatch, algo: Algor
     def micro(rows: list[int]) -> list[list[int]]:
         return microbatches(rows, lengths, micro_batch_size, max_tokens_per_microbatch)
 
-    mrope = mrope_of(model)
+    mrope, patches = mrope_of(model), {}
+
+    def images_of(i: int):
+        """Row i's images cut into patches, once a step however many passes read them (the
+        reference model's too)."""
+        if i not in patches:
+            patches[i] = image_inputs(model, batch.images[i]) if batch.images[i] else None
+        return patches[i]
 
     def pack(idx_chunks):
-        routes, images = batch.expert_routes, batch.images
+        routes = batch.expert_routes
         return [pack_microbatch([batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx],
                                 pad_id, device, [batch.mask_of(i) for i in idx], packed, sequence_multiple(model),
                                 [routes[i] for i in idx] if routes is not None else None,
-                                [image_inputs(model, images[i]) if images[i] else None for i in idx]
-                                if images is not None else None, mrope)
+                                [images_of(i) for i in idx] if batch.images is not None else None, mrope)
                 for idx in idx_chunks]
 
     use_ref = is_rl and ref_model is not None and algo.kl_coef > 0

@@ -43,12 +43,13 @@ from rft.trainer.flops import peak_tflops
 from rft.trainer.hf_weights import load_hf_weights
 from rft.trainer.layer_spec import check_saved_layers, resolve_transformer_impl, why_these_layers
 from rft.trainer.lora import LoRA
-from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state, model_chunks
+from rft.trainer.model import build_gpt_model, init_model_parallel, load_hf_state
 from rft.trainer.moe import RouterLoads
 from rft.trainer.optimizer import LRSchedule, build_optimizer
 from rft.trainer.publisher import WeightPublisher
 from rft.trainer.sharded_state import ShardedModel
 from rft.trainer.train_step import train_step
+from rft.trainer.vision import freeze_vision, image_processor_of
 from rft.weights.hf_dir import point_final_model_at, stage_model_dir
 
 STAGE_COMPONENTS = ("lora", "optimizer", "scheduler", "ref_model", "critic", "cursor", "rng")
@@ -73,8 +74,6 @@ def run_trainer(cfg: RFTConfig, topology: Topology, group: ControlGroup, stop: S
                                  logprob_chunk=cfg.trainer.logprob_chunk)
     load_hf_weights(model, load_hf_state(cfg.model.path), geo)
     if cfg.trainer.freeze_vision:
-        from rft.trainer.vision import freeze_vision
-
         freeze_vision(model)
     runtime = Runtime(cfg, topology, group, stop, resume, f"trainer{topology.rank}", monitor=topology.rank == 0)
     # startup: model built and weights loaded (tools/bench_startup.py reads it from the rank's summary)
@@ -285,7 +284,7 @@ class Learner:
                                           restore=stage.resumed)
         self.data_scalars = row_scalars(rows, [path])  # logged with the stage's first step
         return DatasetBatches(cursor, self.tokenizer, self.cfg.model.chat_template, data.messages_key,
-                              getattr(model_chunks(self.model)[0], "image_processor", None))
+                              image_processor_of(self.model))
 
     def train(self, stage: Stage) -> dict[str, float]:
         """One optimizer step on the step's rows; its scalars."""

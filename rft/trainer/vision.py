@@ -83,13 +83,24 @@ class VisionLanguageGPT(GPTModel):
         return embeddings
 
 
+def _chunks(model) -> list:
+    """A trainer model's GPTModel chunks: its virtual stages' (rft/trainer/model.py's VirtualStages,
+    whose `model_chunks` this module cannot import: model.py imports it), or itself."""
+    return list(model.chunks) if hasattr(model, "chunks") else [model]
+
+
+def image_processor_of(model):
+    """A vision-language trainer model's image processor (the one vLLM uses: rft/data/images.py),
+    None for a language model."""
+    return getattr(_chunks(model)[0], "image_processor", None)
+
+
 def image_inputs(model, images: list[bytes]) -> ImageInputs:
     """A row's encoded images as the vision tower's input, cut into patches by the model's image
-    processor (the one vLLM uses: rft/data/images.py)."""
+    processor."""
     from rft.data.images import decode
 
-    first = model.chunks[0] if hasattr(model, "chunks") else model
-    found = first.image_processor(images=[decode(image) for image in images], return_tensors="pt")
+    found = image_processor_of(model)(images=[decode(image) for image in images], return_tensors="pt")
     return ImageInputs(found["pixel_values"], found["image_grid_thw"])
 
 
@@ -97,7 +108,7 @@ def freeze_vision(model) -> int:
     """trainer.freeze_vision: the vision tower's parameters take no gradient (the optimizer, the
     master weights and the gradient all-reduce only see parameters that do); returns how many."""
     frozen = 0
-    for chunk in (model.chunks if hasattr(model, "chunks") else [model]):
+    for chunk in _chunks(model):
         if hasattr(chunk, "vision"):
             chunk.vision.requires_grad_(False)
             frozen += sum(p.numel() for p in chunk.vision.parameters())
@@ -107,8 +118,7 @@ def freeze_vision(model) -> int:
 def mrope_of(model) -> tuple[int, int] | None:
     """(image token id, merge size) of a vision-language trainer model (any stage, any chunk), None
     for a language model: what `pack_microbatch` needs for multimodal RoPE positions."""
-    first = model.chunks[0] if hasattr(model, "chunks") else model  # a stage's virtual chunks (rft/trainer/model.py)
-    return getattr(first, "mrope", None)
+    return getattr(_chunks(model)[0], "mrope", None)
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,

@@ -117,10 +117,11 @@ def test_a_tp2_trainer_syncs_a_vision_language_model_into_vllm_which_then_scores
     cfg = _config(model_dir, str(tmp_path / "run"), 2, 1, 1, "gloo")
     engine = RolloutEngine(ModelConfig(name="tiny-vl", path=model_dir), RolloutConfig(kv_cache_gb=0.1),
                            seed=0, max_model_len=64)
-    pad = engine.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    from rft.data.images import narrow
+
     # vLLM is given one <|image_pad|> per image and widens it as the trainer's sequences are widened
-    narrow = [[t for i, t in enumerate(p + r) if t != pad or (p + r)[i - 1] != pad] for p, r in zip(prompts, responses)]
-    before = engine.prompt_logprobs(narrow, pictures)
+    narrowed = [narrow(p + r, engine.image_pad, len(pics)) for p, r, pics in zip(prompts, responses, pictures)]
+    before = engine.prompt_logprobs(narrowed, pictures)
     port, out = free_port(), str(tmp_path / "trainer.pt")
     trainer = multiprocessing.get_context("spawn").Process(
         target=spawn, args=(_trainer, 2, cfg, port, out, prompts, responses, images, pictures))
@@ -130,7 +131,7 @@ def test_a_tp2_trainer_syncs_a_vision_language_model_into_vllm_which_then_scores
         engine.receive_weights()
         trainer.join(timeout=300)
         assert trainer.exitcode == 0
-        after = engine.prompt_logprobs(narrow, pictures)
+        after = engine.prompt_logprobs(narrowed, pictures)
     finally:
         engine.close()
     trained = torch.load(out)

@@ -191,3 +191,15 @@ def test_freeze_vision_is_refused_for_a_model_without_a_vision_tower():
     with pytest.raises(ValueError, match=r"trainer.freeze_vision=True is invalid: model tiny-qwen2 has no vision tower"):
         validate(cfg)
     validate(compose_cfg("+experiment=quickstart_vl", "trainer.freeze_vision=true"))
+
+
+def test_vllm_is_given_one_image_token_per_image_and_a_sampled_image_token_as_it_is():
+    """`narrow` undoes the widening of the images' own runs only: a run of image tokens the policy
+    sampled after them (a multi-turn conversation's, a cut sample's continuation) reaches vLLM as
+    the trainer scores it."""
+    from rft.data.images import narrow
+
+    pad = 9
+    assert narrow([1, 7, pad, pad, pad, pad, 8, 3, 7, pad, pad, 8, 4, pad, pad], pad, 2) == [1, 7, pad, 8, 3, 7, pad, 8, 4,
+                                                                                           pad, pad]
+    assert narrow([1, pad, pad, 2], pad, 0) == [1, pad, pad, 2]

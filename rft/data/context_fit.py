@@ -11,6 +11,10 @@ model's `max_position_embeddings`) is handled by `data.overlong`:
                    prompt's earlier turns stay: only the last user turn is cut); counted as truncated
     error          the run stops, naming the row, its length and the context
 
+A vision-language row's images count as the tokens the model's image processor cuts them into
+(rft/data/images.py); such a row is skipped rather than truncated under truncate_left (cutting
+its text could cut an image's placeholder).
+
 Why it matters: one overlong row padded into a microbatch makes attention quadratic in its length
 (a 20x longer row took a trainer rank to 23 GB), and vLLM refuses a prompt longer than its
 max_model_len. With every row within the context, a trainer microbatch holds at most
@@ -44,6 +48,7 @@ class ContextFit:
     chat_template: bool
     context: int
     policy: str = "skip"
+    image_processor: object | None = None  # a vision-language model's: how many tokens each image takes
 
     def for_rollouts(self, tasks: list[Task], path: str, max_new_tokens: int,
                      rows: dict[str, dict[str, int]]) -> list[Task]:
@@ -99,8 +104,16 @@ class ContextFit:
         for start in range(0, len(tasks), _CHUNK):
             texts = [format_prompt(t, self.tokenizer, self.chat_template) for t in tasks[start:start + _CHUNK]]
             ids = self.tokenizer(texts, add_special_tokens=special_tokens)["input_ids"]
-            lengths += [len(x) for x in ids]
+            lengths += [len(x) + self._image_tokens(t) for x, t in zip(ids, tasks[start:start + _CHUNK])]
         return lengths
+
+    def _image_tokens(self, task: Task) -> int:
+        """The tokens a task's images add to its prompt's text: each image's placeholder holds one."""
+        if not task.images or self.image_processor is None:
+            return 0
+        from rft.data.images import image_tokens
+
+        return sum(image_tokens(self.image_processor, image) - 1 for image in task.images)
 
     def _fit(self, tasks: list[Task], path: str, response_tokens: Callable[[Task], int],
              special_tokens: bool, rows: dict[str, dict[str, int]]) -> list[Task]:
@@ -121,7 +134,7 @@ class ContextFit:
                     "set data.overlong=skip or truncate_left, raise model.max_seq_len if the model allows, "
                     "or shorten the row")
             fitted = None
-            if self.policy == "truncate_left":
+            if self.policy == "truncate_left" and not task.images:
                 fitted = self._truncate_left(task, prompt_len, self.context - answer_len, special_tokens)
             if fitted is None:
                 counts["overlong_skipped"] += 1

@@ -79,6 +79,26 @@ def place_images(text: str, count: int, key: str) -> str:
     return text.replace(MARK, PLACEHOLDER)
 
 
+def encode(image: Any, where: str) -> bytes:
+    """An image an environment returned, encoded as a row's images are: encoded bytes as they are
+    (checked readable), a PIL image or an H x W (x C) uint8 array as PNG (lossless: the trainer
+    cuts the same pixels into patches as vLLM did); ValueError naming `where` otherwise."""
+    if isinstance(image, (bytes, bytearray)):
+        _check_readable(bytes(image), where)
+        return bytes(image)
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        try:
+            image = Image.fromarray(image)  # numpy arrays and anything with the array interface
+        except (TypeError, AttributeError, ValueError) as err:
+            raise ValueError(f"{where} must be encoded bytes, a PIL image or a uint8 array "
+                             f"(got {type(image).__name__}: {err})") from None
+    out = io.BytesIO()
+    image.save(out, format="PNG")
+    return out.getvalue()
+
+
 def decode(data: bytes):
     """A PIL image (RGB) from encoded bytes, as the model's processor takes it."""
     from PIL import Image
@@ -95,15 +115,36 @@ def image_processor(model_path: str):
     return AutoImageProcessor.from_pretrained(model_path)
 
 
+def image_tokens(processor, data: bytes) -> int:
+    """How many tokens an encoded image takes in the model: its patches as `processor` cuts them
+    (resized to its pixel bounds), merged merge_size x merge_size. Read from the image's size alone,
+    as vLLM counts placeholders (the processor's get_number_of_image_patches)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        width, height = image.size
+    return processor.get_number_of_image_patches(height, width) // processor.merge_size ** 2
+
+
 def widen(ids: list[int], pad_id: int, processor, images: list[bytes]) -> list[int]:
     """`ids` with the i-th <|image_pad|> repeated as many times as image i has tokens (its patches,
     merged merge_size x merge_size, as `processor` cuts them): the sequence the model runs on."""
-    grids = processor(images=[decode(image) for image in images], return_tensors="pt")["image_grid_thw"]
-    counts = iter(int(grid.prod()) // processor.merge_size ** 2 for grid in grids)
+    counts = iter(image_tokens(processor, image) for image in images)
     out = []
     for token in ids:
         out.extend([pad_id] * next(counts) if token == pad_id else [token])
     return out
+
+
+def image_runs(ids: list[int], pad_id: int, images: int) -> list[int]:
+    """Where each of the first `images` runs of <|image_pad|> in widened `ids` starts."""
+    starts = []
+    for i, token in enumerate(ids):
+        if len(starts) == images:
+            break
+        if token == pad_id and (i == 0 or ids[i - 1] != pad_id):
+            starts.append(i)
+    return starts
 
 
 def narrow(ids: list[int], pad_id: int, images: int) -> list[int]:

@@ -84,7 +84,8 @@ def run_bench(cfg: RFTConfig) -> dict:
     columns = required_columns(rollout.workflow, rollout.env, cfg.algorithm.reward)
     tasks = read_stage_tasks(cfg.data.eval_path, cfg.data, row_counts, required=columns)
     if "prompt" in columns:
-        fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), cfg.data.overlong)
+        fit = ContextFit(engine.tokenizer, cfg.model.chat_template, context_length(cfg.model), cfg.data.overlong,
+                         getattr(engine, "image_processor", None))
         tasks = fit.for_rollouts(tasks, cfg.data.eval_path, rollout.max_new_tokens, row_counts)
     tasks = tasks[: cfg.data.eval_limit]
     runner = WorkflowRunner([engine], rollout, cfg.algorithm.reward, cfg.model.chat_template,

@@ -168,7 +168,8 @@ class Explorer:
                                      self.failed_path, teacher=Teacher(context_length(judge_model(cfg)))
                                      if needs_teacher(stage.cfg.algorithm.advantage) else None)
         columns = required_columns(rollout.workflow, rollout.env, stage.cfg.algorithm.reward)
-        fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, self.topology.context_length, data.overlong)
+        fit = ContextFit(self.engines[0].tokenizer, cfg.model.chat_template, self.topology.context_length, data.overlong,
+                         getattr(self.engines[0], "image_processor", None))
 
         def tasks(path: str, train: bool = False) -> list[Task]:
             cleaned_in = (cfg.run.output_dir, stage.name) if train else None  # data.operators clean the train set

@@ -65,8 +65,13 @@ class ModelClient:
         if room < 1:
             empty = Completion(token_ids=[], logprobs=[], text="", finish_reason="context")
             return [empty] * n if n > 1 else empty
+        # a vision-language model never samples the image token: vLLM and the trainer fill image
+        # tokens with images in order, so one sampled before an environment's later image would
+        # take that image's place. vLLM reports raw logprobs (before the bias), as the trainer scores.
+        pad = getattr(self.engine, "image_pad", None)
         params = SamplingParams(n=n, max_tokens=min(s.max_new_tokens, room), temperature=s.temperature,
-                                top_p=s.top_p, stop=list(s.stop) or None, seed=self.seed + self.requests)
+                                top_p=s.top_p, stop=list(s.stop) or None, seed=self.seed + self.requests,
+                                logit_bias={pad: -100.0} if pad is not None else None)
         self.requests += 1
         if images:  # vLLM is given one <|image_pad|> per image and widens it itself
             from rft.data.images import narrow
@@ -98,13 +103,10 @@ class Conversation:
     def __init__(self, client: ModelClient, messages: list[Message], images: tuple[bytes, ...] = ()):
         self.client = client
         self.messages: list[Message] = list(messages)
-        self.token_ids = client.format.prompt_ids(self.messages)
-        self.images = list(images)
-        if self.images:  # the ids the model runs on: each image as its tokens (rft/data/images.py)
-            from rft.data.images import widen
-
-            engine = client.engine
-            self.token_ids = widen(self.token_ids, engine.image_pad, engine.image_processor, self.images)
+        self.images: list[bytes] = []
+        self.image_at: list[int] = []  # where each image's tokens start in token_ids
+        self.image_widths: list[int] = []  # and how many there are
+        self.token_ids: list[int] = self._with_images(client.format.prompt_ids(self.messages), images)
         self.prompt_length = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_length
         self.logprobs = [0.0] * self.prompt_length
@@ -136,6 +138,8 @@ class Conversation:
             branch.token_ids, branch.loss_mask = list(self.token_ids), list(self.loss_mask)
             branch.logprobs, branch.messages = list(self.logprobs), list(self.messages)
             branch.versions = list(self.versions)
+            branch.images, branch.image_at, branch.image_widths = list(self.images), list(self.image_at), \
+                list(self.image_widths)
             branch._append(turn)
             branches.append(branch)
         return branches
@@ -151,18 +155,49 @@ class Conversation:
         self.turns += bool(turn.token_ids)
         self.last, self.finish_reason = turn, turn.finish_reason
 
-    def add(self, *messages: Message) -> None:
+    def add(self, *messages: Message, images: tuple[bytes, ...] = ()) -> None:
         """Append messages the model did not write (tool results, observations), and the cue for
         its next turn. They are never trained (loss_mask 0). What does not fit in the context is
-        cut off (finish_reason "context"; `room` is then 0 and the next reply is empty)."""
+        cut off (finish_reason "context"; `room` is then 0 and the next reply is empty); an image
+        goes whole or not at all. `images`: encoded, one placeholder each in the messages."""
         ids = self.client.format.append_ids(list(messages), self.last.token_ids if self.last else [])
+        before = len(self.images)
+        ids = self._with_images(ids, images, offset=len(self.token_ids))
         if len(ids) > self.room:  # never longer than the context: the trainer's memory bound holds
-            ids, self.finish_reason = ids[: max(self.room, 0)], "context"
+            cut = max(self.room, 0) + len(self.token_ids)
+            # an image cut in two would leave tokens without their features: cut before it instead
+            whole = [at for at, width in zip(self.image_at[before:], self.image_widths[before:]) if at + width <= cut]
+            if len(whole) < len(self.image_at) - before:
+                cut = self.image_at[before + len(whole)]
+            kept = before + len(whole)
+            del self.images[kept:], self.image_at[kept:], self.image_widths[kept:]
+            ids, self.finish_reason = ids[: cut - len(self.token_ids)], "context"
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
         self.messages += messages
+
+    def _with_images(self, ids: list[int], images: tuple[bytes, ...], offset: int = 0) -> list[int]:
+        """`ids` (placeholders for `images`) as the model runs on them, each image widened to its
+        tokens (rft/data/images.py); the images join the conversation's."""
+        if not images:
+            return ids
+        engine = self.client.engine
+        if not getattr(engine, "images", False):
+            raise ValueError(f"{len(images)} image(s) for a model that reads none: images need a "
+                             "vision-language model as model.path (docs/guides/vision.md)")
+        if len(self.images) + len(images) > engine.images_per_prompt:
+            raise ValueError(f"a conversation of {len(self.images) + len(images)} images, more than "
+                             f"rollout.images_per_prompt={engine.images_per_prompt}: raise it to the most "
+                             "images one trajectory holds (an environment's observations add up)")
+        from rft.data.images import image_runs, image_tokens, widen
+
+        wide = widen(ids, engine.image_pad, engine.image_processor, list(images))
+        self.images += images
+        self.image_at += [offset + at for at in image_runs(wide, engine.image_pad, len(images))]
+        self.image_widths += [image_tokens(engine.image_processor, image) for image in images]
+        return wide
 
     def experience(self, reward: float | None = None, **fields) -> Experience:
         """The trajectory as an experience record; `reward=None` leaves scoring to algorithm.reward.

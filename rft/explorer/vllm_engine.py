@@ -121,6 +121,7 @@ class RolloutEngine:
             os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "1")
             kwargs["enable_return_routed_experts"] = True
         self.images = serves_images(model.path)
+        self.images_per_prompt = rollout.images_per_prompt if self.images else 0
         if self.images:  # a vision-language model: prompts carry images (videos: not yet)
             kwargs["limit_mm_per_prompt"] = {"image": rollout.images_per_prompt, "video": 0}
             from rft.data.images import IMAGE_PAD, image_processor

@@ -276,7 +276,8 @@ class Learner:
         """SFT rows or DPO pairs from `path` (the stage's data.train_path), drawn by a resumable
         cursor tracked under `name`."""
         data, rows, path = stage.cfg.data, self.runtime.progress.rows, path or stage.cfg.data.train_path
-        fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, self.topology.context_length, data.overlong)
+        fit = ContextFit(self.tokenizer, self.cfg.model.chat_template, self.topology.context_length, data.overlong,
+                         image_processor_of(self.model))
         tasks = read_stage_tasks(path, data, rows, preferences=self.is_dpo, messages_key=data.messages_key,
                                  cleaned_in=(self.cfg.run.output_dir, stage.name) if name == "cursor" else None)
         tasks = fit.for_references(tasks, path, rows, preferences=self.is_dpo, messages_key=data.messages_key)

@@ -197,3 +197,69 @@ def test_a_rollout_of_an_image_task_lands_in_experience_that_the_trainer_scores_
         ours = scored["logprobs"][row][scored["mask"][row].bool()]
         assert len(ours) == len(sampled) and (ours - sampled).abs().max() <= 1e-3, (row, ours, sampled)
     del LoopThread
+
+
+class LookAgainEnv:
+    """An environment whose observations are images: a PIL picture at reset, a numpy array after
+    the model's first turn (marked inside the text), done after the second."""
+
+    def reset(self, *, seed=None, options=None):
+        from tests.unit.test_vision_language import _image
+
+        self.turns = 0
+        return {"text": "colour?", "images": [_image(56, 56, "red")]}, {}
+
+    def step(self, action):
+        import numpy as np
+
+        from tests.unit.test_vision_language import _image
+
+        self.turns += 1
+        if self.turns == 2:
+            return "", 1.0, True, False, {}
+        return {"text": "and <image> this?", "image": np.asarray(_image(112, 56, "blue"))}, 0.0, False, False, {}
+
+    def close(self):
+        pass
+
+
+def test_an_environment_that_answers_with_images_trains_on_what_vllm_sampled_after_each(model_dir, tmp_path):  # noqa: F811
+    """A multi-turn episode whose environment shows the model an image at the start and another
+    after its first turn: the conversation widens each where it arrives and vLLM gets both, the
+    experience keeps both in order, step_wise's first step only the first, and the trainer scores
+    every sampled token of both turns (the second after the second image) as vLLM sampled it."""
+    from rft.buffer.experience import to_table
+    from rft.config import ModelConfig, RolloutConfig
+    from rft.data.chat_format import chat_format
+    from rft.data.taskset import Task
+    from rft.explorer.model_client import ModelClient, Sampling
+    from rft.explorer.vllm_engine import RolloutEngine
+    from rft.explorer.workflows.multi_turn import multi_turn
+    from rft.explorer.workflows.registry import WorkflowContext
+    from rft.explorer.workflows.step_wise import step_wise
+
+    engine = RolloutEngine(ModelConfig(name="tiny-vl", path=model_dir),
+                           RolloutConfig(kv_cache_gb=0.1, images_per_prompt=2), seed=0, max_model_len=96)
+    try:
+        client = ModelClient(engine, chat_format(engine.tokenizer, False), Sampling(max_new_tokens=5), seed=3)
+        ctx = WorkflowContext(env=LookAgainEnv, max_turns=3)
+        task = Task(index=0, prompt=None, answer=None)
+        whole = engine.run(multi_turn(task, client, ctx))
+        steps = engine.run(step_wise(task, client, ctx))
+    finally:
+        engine.close()
+    pad = engine.image_pad
+    assert whole.turns == 2 and len(whole.images) == 2 and whole.token_ids.count(pad) == 4 + 8
+    second = whole.token_ids.index(pad, whole.token_ids.index(pad) + 4)
+    assert whole.loss_mask[second - 1] == 0 and 1 in whole.loss_mask[whole.prompt_length:second]
+    assert [len(s.images) for s in steps] == [1, 2] and steps[0].images == whole.images[:1]
+    # the policy never samples the image token (it would take the second image's place)
+    assert [s.token_ids.count(pad) for s in steps] == [4, 12]
+    rows = [whole] + steps
+    out = str(tmp_path / "scored.pt")
+    spawn(_score_experiences, 1, model_dir, free_port(), out, to_table(rows))
+    scored = torch.load(out)
+    for row, e in enumerate(rows):  # the helper scores every response token; the model's are compared
+        sampled = torch.tensor([lp for lp, m in zip(e.logprobs, e.loss_mask) if m])
+        ours = scored["logprobs"][row][scored["mask"][row].bool()][torch.tensor(e.loss_mask[e.prompt_length:]).bool()]
+        assert len(ours) == len(sampled) and (ours - sampled).abs().max() <= 1e-3, (row, ours, sampled)

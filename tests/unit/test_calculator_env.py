@@ -77,7 +77,8 @@ def test_the_workflow_helpers_drive_it() -> None:
         return [first, await envs.step(env, "calc 123*45"), await envs.step(env, "5535")]
 
     (observation, _), tool, final = asyncio.run(play())
-    assert observation == "What is 123*45?" and tool[0] == "= 5535\n" and final[4]["answer"] == "5535"
+    assert observation == envs.Observation("What is 123*45?") and tool[0].text == "= 5535\n"
+    assert final[4]["answer"] == "5535"
 
 
 def test_sample_tasks_are_deterministic_unique_and_right() -> None:

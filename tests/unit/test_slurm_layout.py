@@ -1,6 +1,7 @@
 """The Slurm side without a cluster: rank/role/rendezvous from a multi-node Slurm environment, the
 sbatch script for a 4-node x 8-GPU profile (golden file), and request checks that name the key."""
 
+import json
 import os
 import sys
 
@@ -293,3 +294,33 @@ def _matches_golden_sbatch(cfg, tmp_path, name: str) -> None:
             f.write(script)
     with open(golden) as f:
         assert script == f.read(), "sbatch script changed; rerun with RFT_UPDATE_GOLDEN=1 if intended"
+
+
+@pytest.mark.parametrize("preset, layout", [("qwen2_5_vl_7b_instruct", (4, 4, 2)), ("qwen2_5_vl_3b_instruct", (4, 4, 1))])
+def test_the_geometry3k_recipe_lays_each_vision_language_preset_out_on_a_node_of_8_gpus(tmp_path, monkeypatch, preset,
+                                                                                        layout):
+    """conf/experiment/geometry3k_vl_grpo.yaml with each Qwen2.5-VL preset and the model's published
+    config.json (the Hub's older flat layout, rope_scaling's mrope_section): every check passes and
+    the ranks are laid out as the preset's memory arithmetic says."""
+    import shutil
+
+    from rft.config.checks import validate
+    from rft.models.families import mrope_section
+    from tests.unit.test_config import compose_cfg
+
+    _srun_on_path(tmp_path, monkeypatch)
+    model = tmp_path / "model"
+    model.mkdir()
+    shutil.copy(os.path.join(os.path.dirname(__file__), "golden", "model_configs", f"{preset}.json"),
+                model / "config.json")
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text('{"problem": "<image>Find x.", "answer": "2", "images": "x.png"}\n')
+    cfg = compose_cfg("+experiment=geometry3k_vl_grpo", f"model={preset}", "cluster=slurm", f"model.path={model}",
+                      f"run.output_dir={tmp_path / 'run'}", f"data.train_path={tmp_path / 'train.jsonl'}",
+                      f"data.eval_path={tmp_path / 'test.jsonl'}")
+    validate(cfg)
+    check_request(cfg)
+    topology = Topology.of(cfg)
+    assert (topology.trainer_ranks, topology.engine_count, cfg.trainer.tensor_parallel_size) == layout
+    assert cfg.data.image_key == "images" and cfg.data.prompt_template.format(prompt="x").endswith("put in \\boxed{}.")
+    assert mrope_section(json.loads((model / "config.json").read_text())) == (16, 24, 24)

@@ -89,9 +89,30 @@ def _worker(rank: int, port: int, model_dir: str, out: str, prompts, responses, 
     torch.save(result, out)
 
 
-def test_the_trainer_scores_image_prompts_as_transformers_and_maps_weights_exactly(model_dir, tmp_path):
+def _hub_flat_layout(model_dir: str, out: str) -> str:
+    """A copy of the model whose config.json is in the layout the Hub's Qwen2.5-VL files have
+    (written by transformers 4.x): the language model's keys at the top level, not under
+    `text_config`, and multimodal RoPE as `rope_scaling` {type: mrope}, `rope_theta` beside it."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, out)
+    with open(f"{out}/config.json") as f:
+        config = json.load(f)
+    text = {k: v for k, v in config.pop("text_config").items() if k not in ("model_type", "layer_types")}
+    rope = text.pop("rope_parameters")
+    text.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "mrope", "mrope_section": rope["mrope_section"]})
+    with open(f"{out}/config.json", "w") as f:
+        json.dump({**text, **config}, f, indent=1)
+    return out
+
+
+@pytest.mark.parametrize("layout", ["transformers 5", "the Hub's flat"])
+def test_the_trainer_scores_image_prompts_as_transformers_and_maps_weights_exactly(model_dir, tmp_path, layout):
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    if layout != "transformers 5":
+        model_dir = _hub_flat_layout(model_dir, str(tmp_path / "flat"))
     prompts, responses, images = _sequences(model_dir)
     out = str(tmp_path / "out.pt")
     start_ranks(_worker, 1, free_port(), model_dir, out, prompts, responses, images)

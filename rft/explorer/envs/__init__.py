@@ -2,8 +2,14 @@
 
 An environment is a `gymnasium.Env` whose observations and actions are text:
 
-    reset(seed=None, options={"task": task}) -> (observation: str, info: dict)
-    step(action: str) -> (observation: str, reward: float, terminated: bool, truncated: bool, info: dict)
+    reset(seed=None, options={"task": task}) -> (observation, info: dict)
+    step(action: str) -> (observation, reward: float, terminated: bool, truncated: bool, info: dict)
+
+An observation is text, or for a vision-language model text with images:
+{"text": "...", "images": [image, ...]} ("image": one image also works), each image a PIL image, an
+H x W x 3 uint8 array or encoded bytes (PNG, JPEG). `<image>` in the text marks where each image
+goes; without marks they come before the text. Images add up over an episode: one trajectory holds
+at most rollout.images_per_prompt of them.
 
 `options["task"]` is the rft Task (its `row` holds every column of the taskset row). So an existing
 Gymnasium text environment is used as it is (`rollout.env=my_pkg.envs.MyEnv`), and a new one is a
@@ -35,23 +41,65 @@ import asyncio
 import inspect
 import json
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from rft.explorer.envs.registry import ENVIRONMENTS
 
 
-async def reset(env: Any, task: Any, seed: int | None) -> tuple[str, dict]:
+@dataclass(frozen=True)
+class Observation:
+    """What the model is shown: `text` with one image placeholder per image (rft/data/images.py)
+    when there are `images` (encoded)."""
+
+    text: str
+    images: tuple[bytes, ...] = ()
+
+    def message(self, role: str) -> dict[str, str]:
+        return {"role": role, "content": self.text}
+
+
+def observation(env: Any, value: Any) -> Observation:
+    """An environment's observation as text and encoded images; ValueError naming the environment
+    and what is wrong."""
+    if not isinstance(value, dict):
+        if isinstance(value, str) or not _is_image(value):
+            return Observation(str(value))
+        value = {"images": [value]}
+    unknown = set(value) - {"text", "image", "images"}
+    if unknown or ("image" in value and "images" in value):
+        raise ValueError(f"{type(env).__name__} returned an observation with keys {sorted(value)}; an "
+                         "observation with images is {'text': str, 'images': [image, ...]} (or 'image': one)")
+    from rft.data.images import MARK, encode, place_images
+
+    images = value.get("images", [value["image"]] if "image" in value else [])
+    images = images if isinstance(images, (list, tuple)) else [images]
+    encoded = tuple(encode(image, f"{type(env).__name__}'s observation image {i}") for i, image in enumerate(images))
+    text = str(value.get("text", ""))
+    if encoded and text.count(MARK) not in (0, len(encoded)):
+        raise ValueError(f"{type(env).__name__} returned {len(encoded)} image(s) but its text marks "
+                         f"{text.count(MARK)} with {MARK}: mark each image or none")
+    return Observation(place_images(text, len(encoded), "observation") if encoded else text, encoded)
+
+
+def _is_image(value: Any) -> bool:
+    # an array of 2 or 3 dimensions (a numpy scalar is text, as before images)
+    return isinstance(value, (bytes, bytearray)) or getattr(value, "ndim", 0) in (2, 3) or \
+        type(value).__module__.startswith("PIL.")
+
+
+async def reset(env: Any, task: Any, seed: int | None) -> tuple[Observation, dict]:
     """`env.reset(seed=seed, options={"task": task})`, awaited or run in a worker thread."""
     call = env.reset
     if inspect.iscoroutinefunction(call):
         out = await call(seed=seed, options={"task": task})
     else:
         out = await asyncio.to_thread(call, seed=seed, options={"task": task})
-    observation, info = out
-    return str(observation), dict(info or {})
+    value, info = out
+    return observation(env, value), dict(info or {})
 
 
-async def step(env: Any, action: str) -> tuple[str, float, bool, bool, dict]:
+async def step(env: Any, action: str) -> tuple[Observation, float, bool, bool, dict]:
     """`env.step(action)`, awaited or run in a worker thread; checked to be Gymnasium's 5-tuple."""
     call = env.step
     out = await call(action) if inspect.iscoroutinefunction(call) else await asyncio.to_thread(call, action)
@@ -59,8 +107,8 @@ async def step(env: Any, action: str) -> tuple[str, float, bool, bool, dict]:
         raise TypeError(f"{type(env).__name__}.step returned {type(out).__name__} of length "
                         f"{len(out) if isinstance(out, tuple) else '?'}; expected Gymnasium's "
                         "(observation, reward, terminated, truncated, info)")
-    observation, reward, terminated, truncated, info = out
-    return str(observation), float(reward), bool(terminated), bool(truncated), dict(info or {})
+    value, reward, terminated, truncated, info = out
+    return observation(env, value), float(reward), bool(terminated), bool(truncated), dict(info or {})
 
 
 def make_env(spec: str, args: dict[str, Any]) -> Any:

@@ -6,6 +6,9 @@
         observation, reward, done = env.step(action)
         if done: stop
         observation -> the conversation           (not trained: loss_mask 0)
+
+An observation may bring images (a vision-language model's: rft/explorer/envs/__init__.py); they
+join the conversation where the observation does.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ async def play(task: Task, model: ModelClient, ctx: WorkflowContext) -> Episode:
     env = ctx.make_env()
     try:
         observation, _ = await envs.reset(env, task, ctx.seed)
-        episode = Episode(convo=model.conversation([{"role": "user", "content": observation}]))
+        episode = Episode(convo=model.conversation([observation.message("user")], observation.images))
         for _ in range(ctx.max_turns):
             episode.turn_starts.append(len(episode.convo.token_ids))
             turn = await episode.convo.reply()
@@ -55,8 +58,8 @@ async def play(task: Task, model: ModelClient, ctx: WorkflowContext) -> Episode:
             if terminated or truncated:
                 episode.finish_reason = "env_done" if terminated else "env_truncated"
                 break
-            episode.convo.add({"role": str(info.get("role", "user")), "content": observation})
-            if episode.convo.room <= 0:
+            episode.convo.add(observation.message(str(info.get("role", "user"))), images=observation.images)
+            if episode.convo.room <= 0 or episode.convo.finish_reason == "context":  # cut (an image: before it)
                 episode.finish_reason = "context"
                 break
         return episode

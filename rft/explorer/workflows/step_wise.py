@@ -28,6 +28,7 @@ async def step_wise(task: Task, model: ModelClient, ctx: WorkflowContext) -> lis
                                      **({"response": episode.answer} if episode.answer is not None else {}))
     if not episode.turn_starts:
         return [whole]
+    convo = episode.convo
     ends = episode.turn_starts[1:] + [len(whole.token_ids)]
     steps = []
     for index, (start, end) in enumerate(zip(episode.turn_starts, ends)):
@@ -39,5 +40,6 @@ async def step_wise(task: Task, model: ModelClient, ctx: WorkflowContext) -> lis
                                 reward=whole.reward, step_rewards=episode.step_rewards, step_index=index,
                                 turns=index + 1, tool_calls=whole.tool_calls, finish_reason=whole.finish_reason,
                                 metrics=whole.metrics, response=whole.response,
+                                images=[image for image, at in zip(convo.images, convo.image_at) if at < stop] or None,
                                 routed_experts=None if whole.routed_experts is None else whole.routed_experts[:stop]))
     return steps

@@ -1,7 +1,8 @@
 """`+experiment=quickstart_vl` as a user runs it, its warm-up shortened: the tiny Qwen2.5-VL-shaped
 model learns from pictures (held-out accuracy from 0 to well above the 25% a model blind to the
 image gets), its GRPO stage samples image prompts through vLLM into experience rows that keep the
-images, and the model at the end loads in transformers with its image processor."""
+images, and the model at the end loads in transformers with its image processor and in vLLM,
+which reads its picture as the trained model did."""
 
 import glob
 import json
@@ -31,3 +32,37 @@ def test_the_vision_language_quickstart_learns_to_read_the_picture(tmp_path):
     Qwen2_5_VLForConditionalGeneration.from_pretrained(str(run / "model"))
     assert AutoImageProcessor.from_pretrained(str(run / "model")).merge_size == 2
     assert os.path.isfile(run / "data" / "images" / "eval00000.png")
+    _vllm_reads_the_final_model_as_it_was_trained(run, evals[-1]["accuracy"])
+
+
+def _vllm_reads_the_final_model_as_it_was_trained(run, final_accuracy: float) -> None:
+    """vLLM loads the exported model directory and, greedy, names the colours of the held-out
+    pictures as often as the run's last eval did with the weights it trained (a vision tower lost
+    or mangled in the export reads at chance, 25%)."""
+    import asyncio
+
+    from rft.config import ModelConfig, RolloutConfig
+    from rft.data.chat_format import chat_format
+    from rft.data.images import PLACEHOLDER
+    from rft.data.taskset import read_taskset
+    from rft.explorer.model_client import ModelClient, Sampling
+    from rft.explorer.rewards import first_line_matches
+    from rft.explorer.vllm_engine import RolloutEngine
+
+    tasks, _ = read_taskset(str(run / "data" / "eval.jsonl"), "question", "answer", image_key="images")
+    engine = RolloutEngine(ModelConfig(name="final", path=str(run / "model")), RolloutConfig(kv_cache_gb=0.1),
+                           seed=0, max_model_len=64)
+    try:
+        greedy = Sampling(max_new_tokens=8, temperature=0.0)
+        client = ModelClient(engine, chat_format(engine.tokenizer, False), greedy, seed=0)
+
+        async def replies_to_all():
+            return await asyncio.gather(*(client.conversation([{"role": "user", "content": t.prompt}], t.images).reply()
+                                          for t in tasks))
+
+        replies = engine.run(replies_to_all())
+    finally:
+        engine.close()
+    assert all(t.prompt.startswith(PLACEHOLDER) for t in tasks)
+    right = sum(first_line_matches(r.text, t.answer) for r, t in zip(replies, tasks)) / len(tasks)
+    assert abs(right - final_accuracy) <= 0.03, (right, final_accuracy)

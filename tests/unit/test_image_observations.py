@@ -23,6 +23,8 @@ def test_an_observation_may_be_text_an_image_or_text_with_images():
     red, blue = _image(56, 56, "red"), np.asarray(_image(112, 56, "blue"))
     assert envs.observation(Shows(), "at 2 3") == envs.Observation("at 2 3")
     assert envs.observation(Shows(), np.int64(3)) == envs.Observation("3")  # a numpy scalar stays text
+    assert envs.observation(Shows(), {"x": 1}) == envs.Observation("{'x': 1}")  # as any other dict
+    assert envs.observation(Shows(), {"text": "at 2 3"}) == envs.Observation("at 2 3")
     alone = envs.observation(Shows(), red)
     assert alone.text == PLACEHOLDER and decode(alone.images[0]).getpixel((10, 10)) == red.getpixel((10, 10))
     marked = envs.observation(Shows(), {"text": "a <image> and <image>?", "images": [red, blue]})

@@ -59,14 +59,19 @@ class Observation:
         return {"role": role, "content": self.text}
 
 
+_KEYS = {"text", "image", "images"}  # an observation's, as a dict
+
+
 def observation(env: Any, value: Any) -> Observation:
     """An environment's observation as text and encoded images; ValueError naming the environment
     and what is wrong."""
+    if isinstance(value, dict) and not set(value) & _KEYS:
+        return Observation(str(value))  # some other dict: text, as before images
     if not isinstance(value, dict):
         if isinstance(value, str) or not _is_image(value):
             return Observation(str(value))
         value = {"images": [value]}
-    unknown = set(value) - {"text", "image", "images"}
+    unknown = set(value) - _KEYS
     if unknown or ("image" in value and "images" in value):
         raise ValueError(f"{type(env).__name__} returned an observation with keys {sorted(value)}; an "
                          "observation with images is {'text': str, 'images': [image, ...]} (or 'image': one)")

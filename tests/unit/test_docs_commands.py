@@ -30,12 +30,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 CONFIGS = os.path.join(REPO, "tests", "unit", "golden", "model_configs")
 # a model directory named in the docs -> the config.json of that architecture
 MODEL_CONFIGS = {"qwen3-30b-a3b": os.path.join(CONFIGS, "qwen3_30b_a3b.json"),
+                 "qwen2.5-vl-7b": os.path.join(CONFIGS, "qwen2_5_vl_7b_instruct.json"),
+                 "qwen2.5-vl-3b": os.path.join(CONFIGS, "qwen2_5_vl_3b_instruct.json"),
                  "qwen2.5-7b": os.path.join(CONFIGS, "qwen2_5_7b_instruct.json"),
                  "qwen3-8b": os.path.join(CONFIGS, "qwen3_8b.json"),
                  "llama-3.1-8b": os.path.join(CONFIGS, "llama3_1_8b_instruct.json"),
                  "qwen2.5-1.5b": os.path.join(REPO, "tools", "configs", "qwen2_1.5b.json")}
 PRESET_DIRS = {"RFT_QWEN3_30B_A3B_DIR": "qwen3-30b-a3b", "RFT_LLAMA3_1_8B_DIR": "llama-3.1-8b",
-               "RFT_QWEN3_8B_DIR": "qwen3-8b", "RFT_QWEN2_5_7B_DIR": "qwen2.5-7b", "RFT_QWEN2_5_1_5B_DIR": "qwen2.5-1.5b"}
+               "RFT_QWEN3_8B_DIR": "qwen3-8b", "RFT_QWEN2_5_7B_DIR": "qwen2.5-7b", "RFT_QWEN2_5_1_5B_DIR": "qwen2.5-1.5b",
+               "RFT_QWEN2_5_VL_7B_DIR": "qwen2.5-vl-7b", "RFT_QWEN2_5_VL_3B_DIR": "qwen2.5-vl-3b"}
 PATH_KEYS = ("model.path", "judge.model", "run.output_dir", "sync.checkpoint_dir", "data.train_path",
              "data.eval_path", "hydra.sweep.dir", "bench.run_dir")
 

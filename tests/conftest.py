@@ -119,7 +119,8 @@ _OWN_INSTANCE = {"tests/slurm/test_multinode.py": "two_nodes", "tests/slurm/test
 # install); the files moved here since took about 660 s there. With the ranks' OpenMP threads asleep
 # when idle (OMP_WAIT_POLICY above), two launches side by side no longer starve each other. A fresh
 # clone's run of b0e44a8 on this machine: the first worker 3262 s, the second 2952 s (pytest 55 min,
-# 60 with install); the tools' child-process checks (126 s, their waits bounded at minutes) moved here.
+# 60 with install); the tools' child-process checks (126 s, their waits bounded at minutes) moved here,
+# and each model family through the launcher (81 s, no longer `heavy`) joined it.
 _BESIDE_ORDER = ("tests/unit/", "tests/dist/", "tests/e2e/")
 _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "tests/e2e/test_local_gpus.py",
                  "tests/e2e/test_smollm2_prepare.py", "tests/e2e/test_reshard.py", "tests/e2e/test_final_model.py",
@@ -127,7 +128,7 @@ _BESIDE_SLURM = ("tests/unit/", "tests/dist/", "tests/e2e/test_doctor.py", "test
                  "tests/e2e/test_first_contact.py", "tests/e2e/test_quickstart.py", "tests/e2e/test_free_run.py",
                  "tests/e2e/test_distillation.py", "tests/e2e/test_algorithm_presets_run.py", "tests/e2e/test_async.py",
                  "tests/e2e/test_ppo_resume.py", "tests/e2e/test_quickstart_vl.py",
-                 "tests/e2e/test_tools_end_children.py")
+                 "tests/e2e/test_tools_end_children.py", "tests/e2e/test_families_run.py")
 
 
 def _unit_of(path: str) -> str:

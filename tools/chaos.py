@@ -309,13 +309,20 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
             raise SystemExit(f"no end after {len(launches)} launches; see {out}")
 
     checks = check_run(run_dir, grpo_steps)
+    struck_inside = fault_times(run_dir)
     by_kind: dict[str, dict[str, float]] = {}
     for index, result in enumerate(launches):
         resumed_next = launches[index + 1]["resumed_from"] if index + 1 < len(launches) else None
+        ender = result["faults"][-1] if result["faults"] else None
+        # the launch ended where its last fault meant it to, not at one that should have been repaired inside it
+        ended_by_plan = ender is not None and (result["acted_step"] is not None if ender[0] in OUTSIDE
+                                               else tuple(ender[:2]) in struck_inside)
         for kind, step, _ in result["faults"]:
             row = by_kind.setdefault(kind, {"injected": 0, "recovered": 0, "steps_repeated": 0, "max_detect_s": 0.0})
             row["injected"] += 1
-            if (repaired_inside(kind, cluster) and result["rc"] == 0) or resumed_next is not None:
+            if repaired_inside(kind, cluster) and (kind, step) != tuple(ender[:2]):
+                row["recovered"] += result["rc"] == 0 or ended_by_plan
+            elif (repaired_inside(kind, cluster) and result["rc"] == 0) or resumed_next is not None:
                 row["recovered"] += 1
             if (kind, step) == result["faults"][-1][:2] and resumed_next is not None and not repaired_inside(kind, cluster):
                 row["steps_repeated"] += max(0, result["reached"] - resumed_next)

@@ -54,6 +54,7 @@ KINDS: dict[str, tuple[int, ...] | None] = {
     "file_size_limit": None, "corrupt_shard": None, "job_kill": None, "usr2": None, "term": None,
     "kill_engine": (ROLLOUT,), "stop_engine": (ROLLOUT,)}
 OUTSIDE = ("job_kill", "usr2", "term")  # acted out by this script
+UNRECORDED = ("file_size_limit", "corrupt_shard")  # act without a line in <run>/faults.jsonl
 SAVE_STEP_KINDS = ("kill_save", "file_size_limit")  # fire only where a checkpoint is saved
 
 
@@ -314,9 +315,10 @@ def main() -> None:  # noqa: C901  (one run of the tool, top to bottom)
     for index, result in enumerate(launches):
         resumed_next = launches[index + 1]["resumed_from"] if index + 1 < len(launches) else None
         ender = result["faults"][-1] if result["faults"] else None
-        # the launch ended where its last fault meant it to, not at one that should have been repaired inside it
+        # the launch ended where its last fault meant it to, not at one that should have been repaired inside
+        # it: the script acted, or the run recorded the strike (file_size_limit and corrupt_shard record none)
         ended_by_plan = ender is not None and (result["acted_step"] is not None if ender[0] in OUTSIDE
-                                               else tuple(ender[:2]) in struck_inside)
+                                               else tuple(ender[:2]) in struck_inside or ender[0] in UNRECORDED)
         for kind, step, _ in result["faults"]:
             row = by_kind.setdefault(kind, {"injected": 0, "recovered": 0, "steps_repeated": 0, "max_detect_s": 0.0})
             row["injected"] += 1

@@ -22,7 +22,7 @@ class RolloutConfig:
     partial_rollout: bool = False  # a weight update cuts requests in flight, which go on with the new weights (each token keeps its version); false: it waits for them
     sleep_level: int = 1  # cluster.colocate: vLLM's sleep while the trainer trains (1: weights to host memory, KV cache dropped; 2: both dropped)
     tensor_parallel_size: int = 1  # vLLM TP per engine
-    images_per_prompt: int = 1  # vision-language models: the most images one prompt may hold (vLLM's limit_mm_per_prompt)
+    images_per_prompt: int = 1  # vision-language models: the most images one prompt may hold, a multi-turn trajectory's observations included (vLLM's limit_mm_per_prompt)
     max_num_seqs: int = 256  # vLLM scheduler batch limit
     reward_timeout_s: float = 10.0  # a reward call slower than this scores 0
     max_sampling_rounds: int = 3  # dynamic sampling (algorithm.sample_filter): generation rounds per step

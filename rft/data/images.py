@@ -136,15 +136,19 @@ def widen(ids: list[int], pad_id: int, processor, images: list[bytes]) -> list[i
     return out
 
 
-def image_runs(ids: list[int], pad_id: int, images: int) -> list[int]:
-    """Where each of the first `images` runs of <|image_pad|> in widened `ids` starts."""
-    starts = []
+def image_runs(ids: list[int], pad_id: int, images: int) -> list[tuple[int, int]]:
+    """(start, length) of each of the first `images` runs of <|image_pad|> in widened `ids`."""
+    runs: list[tuple[int, int]] = []
     for i, token in enumerate(ids):
-        if len(starts) == images:
+        if token != pad_id:
+            continue
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        elif len(runs) == images:
             break
-        if token == pad_id and (i == 0 or ids[i - 1] != pad_id):
-            starts.append(i)
-    return starts
+        else:
+            runs.append((i, 1))
+    return runs
 
 
 def narrow(ids: list[int], pad_id: int, images: int) -> list[int]:

@@ -328,12 +328,12 @@ class Explorer:
                     if not self.restarts.recover(failure):
                         raise
                     continue
-                if self.restarts.allowed and any(engine.died() for engine in self.engines):
+                gone = [engine.name for engine in self.engines if engine.died()] if self.restarts.allowed else []
+                if gone:
                     # its core died after the batch's last answer: started again now, before this batch's
                     # shard lets the trainer go on to a weight sync that would find it gone
+                    print(f"rft: {', '.join(gone)} died after batch {batch}'s last answer", flush=True)
                     died = ENGINE_FAILURES[0]()
-                    gone = ", ".join(engine.name for engine in self.engines if engine.died())
-                    print(f"rft: {gone} died after batch {batch}'s last answer", flush=True)
                     if not self.restarts.recover(died):
                         raise died
                 return outcome

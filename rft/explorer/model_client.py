@@ -104,8 +104,7 @@ class Conversation:
         self.client = client
         self.messages: list[Message] = list(messages)
         self.images: list[bytes] = []
-        self.image_at: list[int] = []  # where each image's tokens start in token_ids
-        self.image_widths: list[int] = []  # and how many there are
+        self.image_spans: list[tuple[int, int]] = []  # each image's tokens in token_ids: (start, how many)
         self.token_ids: list[int] = self._with_images(client.format.prompt_ids(self.messages), images)
         self.prompt_length = len(self.token_ids)
         self.loss_mask = [0] * self.prompt_length
@@ -138,8 +137,7 @@ class Conversation:
             branch.token_ids, branch.loss_mask = list(self.token_ids), list(self.loss_mask)
             branch.logprobs, branch.messages = list(self.logprobs), list(self.messages)
             branch.versions = list(self.versions)
-            branch.images, branch.image_at, branch.image_widths = list(self.images), list(self.image_at), \
-                list(self.image_widths)
+            branch.images, branch.image_spans = list(self.images), list(self.image_spans)
             branch._append(turn)
             branches.append(branch)
         return branches
@@ -166,11 +164,10 @@ class Conversation:
         if len(ids) > self.room:  # never longer than the context: the trainer's memory bound holds
             cut = max(self.room, 0) + len(self.token_ids)
             # an image cut in two would leave tokens without their features: cut before it instead
-            whole = [at for at, width in zip(self.image_at[before:], self.image_widths[before:]) if at + width <= cut]
-            if len(whole) < len(self.image_at) - before:
-                cut = self.image_at[before + len(whole)]
-            kept = before + len(whole)
-            del self.images[kept:], self.image_at[kept:], self.image_widths[kept:]
+            kept = before + sum(at + width <= cut for at, width in self.image_spans[before:])
+            if kept < len(self.image_spans):
+                cut = self.image_spans[kept][0]
+            del self.images[kept:], self.image_spans[kept:]
             ids, self.finish_reason = ids[: cut - len(self.token_ids)], "context"
         self.token_ids += ids
         self.loss_mask += [0] * len(ids)
@@ -191,12 +188,11 @@ class Conversation:
             raise ValueError(f"a conversation of {len(self.images) + len(images)} images, more than "
                              f"rollout.images_per_prompt={engine.images_per_prompt}: raise it to the most "
                              "images one trajectory holds (an environment's observations add up)")
-        from rft.data.images import image_runs, image_tokens, widen
+        from rft.data.images import image_runs, widen
 
         wide = widen(ids, engine.image_pad, engine.image_processor, list(images))
         self.images += images
-        self.image_at += [offset + at for at in image_runs(wide, engine.image_pad, len(images))]
-        self.image_widths += [image_tokens(engine.image_processor, image) for image in images]
+        self.image_spans += [(offset + at, width) for at, width in image_runs(wide, engine.image_pad, len(images))]
         return wide
 
     def experience(self, reward: float | None = None, **fields) -> Experience:

@@ -73,7 +73,8 @@ def values_of(output: torch.Tensor, mb: Microbatch) -> torch.Tensor:
 
 def build_critic_model(hf_path: str, dtype: str, policy, seed: int):
     """This rank's critic shard: the policy's trunk (copied) under a fresh value head."""
-    from rft.trainer.model import build_gpt_model, model_chunks
+    from rft.trainer.chunks import model_chunks
+    from rft.trainer.model import build_gpt_model
 
     granularity = policy.config.recompute_granularity  # None, "selective" or "full": the critic recomputes alike
     model, _ = build_gpt_model(hf_path, dtype, tie_embeddings=False, recompute=granularity or "none",

@@ -67,7 +67,7 @@ def global_names(model, geo: Geometry) -> dict[str, str]:
     Transformer Engine's fused norms get the local layer spec's names. Experts get their number
     in the whole layer.
     """
-    from rft.trainer.model import named_chunks
+    from rft.trainer.chunks import named_chunks
 
     ep, ep_rank, _ = _ep()
     out = {}

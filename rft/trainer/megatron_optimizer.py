@@ -53,7 +53,7 @@ class MegatronOptimizer:
                  loss_scale: float | None, distributed: bool):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from rft.trainer.model import model_chunks
+        from rft.trainer.chunks import model_chunks
 
         with cuda_tensors_on_cpu():
             self.ddp = [_ddp(chunk, distributed) for chunk in model_chunks(model)]  # one per virtual stage

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from rft.models.families import language_config, rope_frequencies
+from rft.trainer.chunks import VirtualStages
 from rft.trainer.layer_spec import block_spec, fused_kernel_flags
 from rft.trainer.moe import forget_replay_registry, moe_config
 from rft.weights.hf_megatron import Geometry, padded_vocab, tp_split_dim
@@ -41,44 +42,6 @@ def init_model_parallel(tp: int, seed: int, pp: int = 1, vpp: int = 1, ep: int =
                                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=1)
     model_parallel_cuda_manual_seed(seed)
-
-
-class VirtualStages(torch.nn.Module):
-    """One pipeline stage's model chunks under Megatron's virtual pipeline: with P stages and V
-    chunks each, chunk v of stage p holds the layers of virtual stage v * P + p, so a microbatch
-    crosses every stage V times and Megatron's interleaved schedule keeps the pipeline's bubble
-    1/V as long. The embedding lives in chunk 0 of the first stage, the output layer in the last
-    chunk of the last stage. Parameter names are the chunks' own under `chunks.<v>.`;
-    `model_chunks` and `named_chunks` are how the rest of the trainer walks them."""
-
-    def __init__(self, chunks: list[torch.nn.Module]):
-        super().__init__()
-        self.chunks = torch.nn.ModuleList(chunks)
-
-    @property
-    def config(self):
-        return self.chunks[0].config
-
-    @property
-    def pre_process(self) -> bool:  # this stage holds the embedding
-        return self.chunks[0].pre_process
-
-    @property
-    def share_embeddings_and_output_weights(self) -> bool:
-        return self.chunks[0].share_embeddings_and_output_weights
-
-
-def named_chunks(model) -> list[tuple[str, torch.nn.Module]]:
-    """(prefix of its parameter names in `model`, chunk) for each GPTModel chunk a trainer model is
-    made of: itself, or its virtual stages' chunks."""
-    if isinstance(model, VirtualStages):
-        return [(f"chunks.{v}.", chunk) for v, chunk in enumerate(model.chunks)]
-    return [("", model)]
-
-
-def model_chunks(model) -> list[torch.nn.Module]:
-    """The GPTModel chunks a trainer model is made of (`named_chunks` without the prefixes)."""
-    return [chunk for _, chunk in named_chunks(model)]
 
 
 def load_hf_state(path: str) -> dict[str, torch.Tensor]:

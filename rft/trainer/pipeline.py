@@ -60,7 +60,7 @@ class LogprobsHead:
 
 def policy_head(model, with_entropy: bool = True) -> LogprobsHead:
     """The policy's head with the model's trainer.logprob_chunk (set on its chunks when built)."""
-    from rft.trainer.model import model_chunks
+    from rft.trainer.chunks import model_chunks
 
     return LogprobsHead(with_entropy, getattr(model_chunks(model)[0], "logprob_chunk", 0))
 
@@ -85,7 +85,7 @@ def _megatron_schedule(model, mbs: list[Microbatch], head: Head, loss_fn: LossFn
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from rft.trainer.cpu_compat import cuda_tensors_on_cpu
-    from rft.trainer.model import model_chunks
+    from rft.trainer.chunks import model_chunks
 
     if not mbs:
         return []
@@ -126,7 +126,7 @@ def forward_backward(model, mbs: list[Microbatch], loss_fn: LossFn, with_entropy
     the last stage); the default head gives logprobs and entropy (unless `with_entropy` is False)."""
     from megatron.core import parallel_state as ps
 
-    from rft.trainer.model import model_chunks
+    from rft.trainer.chunks import model_chunks
 
     head = head or policy_head(model, with_entropy)
     if model_chunks(model)[0].config.num_moe_experts:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from rft.trainer.model import named_chunks
+from rft.trainer.chunks import named_chunks
 
 
 def _unprefixed(state: dict[str, Any], prefix: str) -> dict[str, Any]:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.models.gpt import GPTModel
 
+from rft.trainer.chunks import model_chunks
+
 
 @dataclass
 class ImageInputs:
@@ -83,16 +85,10 @@ class VisionLanguageGPT(GPTModel):
         return embeddings
 
 
-def _chunks(model) -> list:
-    """A trainer model's GPTModel chunks: its virtual stages' (rft/trainer/model.py's VirtualStages,
-    whose `model_chunks` this module cannot import: model.py imports it), or itself."""
-    return list(model.chunks) if hasattr(model, "chunks") else [model]
-
-
 def image_processor_of(model):
     """A vision-language trainer model's image processor (the one vLLM uses: rft/data/images.py),
     None for a language model."""
-    return getattr(_chunks(model)[0], "image_processor", None)
+    return getattr(model_chunks(model)[0], "image_processor", None)
 
 
 def image_inputs(model, images: list[bytes]) -> ImageInputs:
@@ -108,7 +104,7 @@ def freeze_vision(model) -> int:
     """trainer.freeze_vision: the vision tower's parameters take no gradient (the optimizer, the
     master weights and the gradient all-reduce only see parameters that do); returns how many."""
     frozen = 0
-    for chunk in _chunks(model):
+    for chunk in model_chunks(model):
         if hasattr(chunk, "vision"):
             chunk.vision.requires_grad_(False)
             frozen += sum(p.numel() for p in chunk.vision.parameters())
@@ -118,7 +114,7 @@ def freeze_vision(model) -> int:
 def mrope_of(model) -> tuple[int, int] | None:
     """(image token id, merge size) of a vision-language trainer model (any stage, any chunk), None
     for a language model: what `pack_microbatch` needs for multimodal RoPE positions."""
-    return getattr(_chunks(model)[0], "mrope", None)
+    return getattr(model_chunks(model)[0], "mrope", None)
 
 
 def mrope_positions(ids: list[int], grids: list[tuple[int, int, int]], image_token_id: int,

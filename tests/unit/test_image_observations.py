@@ -68,10 +68,10 @@ def test_an_image_that_does_not_fit_the_context_is_left_out_whole(model_dir):  #
     client = _client(model_dir, context=30)
     convo = Conversation(client, [{"role": "user", "content": PLACEHOLDER + "go"}], (_png(56, 56),))
     pad = client.engine.image_pad
-    assert convo.token_ids.count(pad) == 4 and convo.image_at == [convo.token_ids.index(pad)]
+    assert convo.token_ids.count(pad) == 4 and convo.image_spans == [(convo.token_ids.index(pad), 4)]
     small, large = _png(56, 56), _png(112, 112)  # 4 and 16 tokens: only the first fits in 30
     convo.add({"role": "user", "content": f"a{PLACEHOLDER}b{PLACEHOLDER}c"}, images=(small, large))
-    assert convo.finish_reason == "context" and len(convo.images) == 2 and convo.image_widths == [4, 4]
+    assert convo.finish_reason == "context" and len(convo.images) == 2 and [width for _, width in convo.image_spans] == [4, 4]
     assert convo.token_ids.count(pad) == 8 and convo.token_ids[-1] != pad  # cut before the large image's tokens
     assert convo.room >= 0 and len(convo.loss_mask) == len(convo.token_ids)
     wide = Conversation(client, [{"role": "user", "content": "go" * 8}])

@@ -96,7 +96,7 @@ def _fused_logprob_steps(model, batch, res: dict) -> None:
     (rft/trainer/chunked_logprob.py), padded and packed, with an entropy bonus in the loss."""
     from rft.config import AlgorithmConfig
     from rft.trainer.forward import fused_logprobs, model_forward, pack_microbatch
-    from rft.trainer.model import model_chunks
+    from rft.trainer.chunks import model_chunks
     from rft.trainer.train_step import train_step
 
     for chunk in model_chunks(model):

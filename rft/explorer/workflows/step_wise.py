@@ -40,6 +40,6 @@ async def step_wise(task: Task, model: ModelClient, ctx: WorkflowContext) -> lis
                                 reward=whole.reward, step_rewards=episode.step_rewards, step_index=index,
                                 turns=index + 1, tool_calls=whole.tool_calls, finish_reason=whole.finish_reason,
                                 metrics=whole.metrics, response=whole.response,
-                                images=[image for image, at in zip(convo.images, convo.image_at) if at < stop] or None,
+                                images=[image for image, (at, _) in zip(convo.images, convo.image_spans) if at < stop] or None,
                                 routed_experts=None if whole.routed_experts is None else whole.routed_experts[:stop]))
     return steps

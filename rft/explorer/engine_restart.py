@@ -24,6 +24,7 @@ storage; its cost is one host copy and write per sync, paid only with `restart`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -68,17 +69,38 @@ class EngineRestarts:
                 quiet = time.monotonic() - engine.last_progress
                 if engine.llm is None or not engine.in_flight or quiet <= self.stall_s:
                     continue
-                pids = engine.core_pids()
-                print(f"rft: {engine.name} stalled: {engine.in_flight} request(s) in flight and none finished for "
-                      f"{quiet:.0f}s (rollout.engine_stall_s={self.stall_s:g}); killing its engine core (pid "
-                      f"{', '.join(map(str, pids)) or 'gone'})", flush=True)
-                self.stalled[engine.name] = time.monotonic()
-                for pid in pids:
-                    try:
-                        os.kill(pid, signal.SIGKILL)  # a stopped process too: vLLM then fails its requests
-                    except OSError:
-                        pass
+                self._kill_stalled(engine, f"{engine.in_flight} request(s) in flight and none finished for {quiet:.0f}s")
                 engine.last_progress = time.monotonic()  # one kill per stall
+
+    def _kill_stalled(self, engine: RolloutEngine, why: str) -> None:
+        """Kill a stalled engine's core (a stopped process too): vLLM then fails its requests and
+        calls, and the engine is restarted as one that died."""
+        pids = engine.core_pids()
+        print(f"rft: {engine.name} stalled: {why} (rollout.engine_stall_s={self.stall_s:g}); killing its engine core "
+              f"(pid {', '.join(map(str, pids)) or 'gone'})", flush=True)
+        self.stalled[engine.name] = time.monotonic()
+        for pid in pids:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+
+    def lost_after(self, batch: str) -> list[str]:
+        """At the end of `batch`, before its shard lets the trainer go on to a weight sync that
+        would wait for a lost engine until sync.timeout_s: why each engine is lost whose core died
+        after the batch's last answer or no longer answers (a hang with nothing in flight, which
+        the stall watch cannot see; its core is killed). Empty when every engine is well."""
+        if not self.allowed:
+            return []
+        lost = []
+        for engine in self.engines:
+            answered = not engine.died() and engine.answers(self.stall_s)
+            if answered:
+                continue
+            if engine.died():  # dead before the call, or the call found it dead
+                lost.append(f"{engine.name} died after batch {batch}'s last answer")
+            else:
+                self._kill_stalled(engine, f"no answer for {self.stall_s:g}s after batch {batch}'s last answer")
+                lost.append(f"{engine.name} stopped answering after batch {batch}'s last answer")
+        return lost
 
     def recover(self, failure: BaseException) -> bool:
         """After an engine failure in a batch: restart the engines and say so, or False when no

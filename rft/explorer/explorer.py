@@ -328,11 +328,9 @@ class Explorer:
                     if not self.restarts.recover(failure):
                         raise
                     continue
-                gone = [engine.name for engine in self.engines if engine.died()] if self.restarts.allowed else []
-                if gone:
-                    # its core died after the batch's last answer: started again now, before this batch's
-                    # shard lets the trainer go on to a weight sync that would find it gone
-                    print(f"rft: {', '.join(gone)} died after batch {batch}'s last answer", flush=True)
+                lost = self.restarts.lost_after(batch)
+                if lost:  # restarted now, before this batch's shard lets the trainer go on to a weight sync
+                    print(f"rft: {'; '.join(lost)}", flush=True)
                     died = ENGINE_FAILURES[0]()
                     if not self.restarts.recover(died):
                         raise died

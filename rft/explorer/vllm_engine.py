@@ -393,6 +393,19 @@ class RolloutEngine:
             return self.llm.errored or not any(p.is_alive() for p in processes)
         return bool(self.llm.errored)  # an engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
 
+    def answers(self, within_s: float) -> bool:
+        """Whether the engine core answers a call within `within_s` seconds. An idle core answers
+        in milliseconds; a stopped or hung one never does, and with no request in flight nothing
+        else would tell (the stall watch of rft/explorer/engine_restart.py needs requests)."""
+        async def probe() -> None:
+            await asyncio.wait_for(self.llm.is_sleeping(), within_s)  # a round trip to the core
+
+        try:
+            self.run(probe())
+        except Exception:  # noqa: BLE001 - timed out, or vLLM found its core dead (EngineDeadError)
+            return False
+        return True
+
     def core_pids(self) -> list[int]:
         """The processes of vLLM's engine core (and its workers' with TP > 1) that still live."""
         with contextlib.suppress(Exception):

@@ -41,7 +41,7 @@ class TrainerConfig:
     save_hf: bool = False  # with each checkpoint also an HF export (<run>/checkpoints/hf/v<step>; mode=bench reads them)
     keep_hf_exports: int = 2  # the newest periodic HF exports (save_hf) kept (0: all); each stage's final model is always kept
     keep_checkpoints: int = 2  # complete checkpoints kept in <output dir>/checkpoints
-    async_save: bool = False  # write the trainer's shards in the background while it trains on (its tensors copied to host memory first): the checkpoint completes at the first step's control point after every trainer rank's write, so a crash in between resumes from the one before; the next save, a stop and the run's end wait for it. false: every rank waits for each save
+    async_save: bool = False  # write the trainer's shards in the background while it trains on (its tensors copied to shared host memory, kept for the next save, which a writer process at the lowest CPU priority writes): the checkpoint completes at the first step's control point after every trainer rank's write, so a crash in between resumes from the one before; the next save, a stop and the run's end wait for it. false: every rank waits for each save
     loss_scale: Optional[float] = None  # constant loss scale (None: dynamic with fp16 parameters, 1 otherwise)
     distributed_optimizer: bool = True  # CUDA: shard fp32 masters and AdamW state over DP ranks (Megatron's)
     recompute: str = "none"  # none | selective (core attention) | full (every layer): activations redone in backward

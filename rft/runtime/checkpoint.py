@@ -26,6 +26,7 @@ files it wrote there, so completeness and torn files are told as for rank files:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -45,6 +46,7 @@ from rft.runtime.storage import written_whole_or_not_at_all
 
 if TYPE_CHECKING:
     from rft.runtime.background_save import BackgroundSave
+    from rft.runtime.shard_writer import ShardWriter
 
 # imported where first used: the launcher reads checkpoints' metadata (newest_complete) without torch
 torch = lazy_module("torch")
@@ -227,16 +229,19 @@ def save_shards(run_dir: str, done: int, shards: dict[str, Any]) -> dict[str, di
     return shard_digests(path, rank)
 
 
-def start_shards(run_dir: str, done: int, shards: dict[str, Any], state: dict[str, Any]) -> BackgroundSave:
-    """As save_shards, but the write goes on in the background (rft/runtime/background_save.py);
-    `finish_shards` completes it."""
+def start_shards(run_dir: str, done: int, shards: dict[str, Any], state: dict[str, Any],
+                 writer: ShardWriter) -> BackgroundSave:
+    """As save_shards, but `writer`, the rank's writer process, writes them in the background
+    (rft/runtime/background_save.py); `finish_shards` completes it."""
     import torch.distributed as dist
 
     from rft.runtime.background_save import BackgroundSave
 
     path, rank = _fresh_sharded_dir(run_dir, done), dist.get_rank()
     with _shards_written_whole(path, shards, rank, done):
-        return BackgroundSave(path, done, shards, state, lambda: shard_digests(path, rank, shared=False))
+        # the writer process takes the digests once the files are written: a function it can unpickle
+        digests = functools.partial(shard_digests, path, rank, shared=False)
+        return BackgroundSave(path, done, shards, state, digests, writer)
 
 
 def finish_shards(pending: BackgroundSave) -> dict[str, dict[str, Any]]:

@@ -53,6 +53,9 @@ class Runtime:
         self.state = RankState(cfg.run.output_dir, topology, resume)
         # resolved once: resolving through OmegaConf's schema took a third of a quickstart SFT step
         self.stage_plan = stage_configs(cfg)
+        if topology.rank < topology.trainer_ranks and any(c.trainer.async_save for _, c in self.stage_plan):
+            # started now, at the lowest priority beside the trainer's own start: not in the first save's stall
+            self.state.start_writer()
         self.progress = self.state.track("progress", Progress())
         self.resumed_at = self.progress.global_step if self.state.resuming else None
         self.monitor = Monitor(cfg, rank_name, self.resumed_at) if monitor else None

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 from rft.runtime.checkpoint import (Resume, finish_shards, record_layout, save_rank_state, save_shards, saved_layout,
                                     start_shards)
+from rft.runtime.shard_writer import ShardWriter
 from rft.runtime.topology import Topology
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class RankState:
         self.components: dict[str, Stateful] = {}
         self.shards_checked = False  # the sharded files' checksums, checked before the first load
         self.background: BackgroundSave | None = None  # a checkpoint being written (trainer.async_save)
+        self.writer: ShardWriter | None = None  # the process writing it, started at the first such save
 
     @property
     def resuming(self) -> bool:
@@ -149,11 +151,17 @@ class RankState:
             t = self.topology
             record_layout(self.run_dir, done, {"trainer_ranks": t.trainer_ranks, "voting_ranks": t.voting_ranks})
         if shards and background:
-            self.background = start_shards(self.run_dir, done, shards, state)
+            self.background = start_shards(self.run_dir, done, shards, state, self.start_writer())
             return None
         if shards:
             state[SHARDED] = {"components": sorted(shards), "files": save_shards(self.run_dir, done, shards)}
         return save_rank_state(self.run_dir, done, self.rank, state)
+
+    def start_writer(self) -> ShardWriter:
+        """The process that writes this rank's background saves (trainer.async_save), started once."""
+        if self.writer is None:
+            self.writer = ShardWriter()
+        return self.writer
 
     @property
     def writing(self) -> bool:

@@ -4,9 +4,11 @@ ranks save, with the CPU trainer's optimizer (fp32 masters and AdamW's state in 
 own) or Megatron's distributed one (views into its buffers), then take an optimizer step (in place,
 on the same CPU tensors) before the write may start; loaded, the checkpoint gives the weights of the save
 and, one step later, exactly the weights the trainer reached. A write that fails on one rank fails
-the completion on every rank, and nothing of it stays."""
+the completion on every rank, and nothing of it stays. The write is the rank's writer process's
+(rft/runtime/shard_writer.py), from the shared memory the tensors were copied to at the save."""
 
 import os
+import signal
 import threading
 
 import pytest
@@ -17,13 +19,13 @@ from tests.unit.test_mixed_precision import PROMPTS, RESPONSES
 
 
 def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out: str, fail_rank: int,
-            megatron: bool) -> None:
+            failure: str, megatron: bool) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     from rft.config import AlgorithmConfig
     from rft.runtime.checkpoint import finish_shards, sharded_dir, start_shards
+    from rft.runtime.shard_writer import ShardWriter
     from rft.trainer.hf_weights import export_hf_weights, load_hf_weights
     from rft.trainer.master_weights import MasterWeightsOptimizer
     from rft.trainer.megatron_optimizer import MegatronOptimizer
@@ -33,17 +35,28 @@ def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out:
     from rft.trainer.step_batch import StepBatch
     from rft.trainer.train_step import train_step
 
-    # hold the write until the trainer has stepped on: what a slow filesystem does
+    class HeldWriter(ShardWriter):
+        """The rank's writer process, handed the staged write only once the trainer has stepped on
+        (what a slow filesystem does). On `fail_rank` the write fails: its files in a directory that
+        is not there (`spoil`), or the writer process killed (`kill`)."""
+
+        def _send(self, message: tuple) -> None:
+            def later() -> None:
+                trained_on.wait(60)
+                arena, jobs, *rest = message
+                if rank == fail_rank and failure == "kill":
+                    os.kill(self.pid, signal.SIGKILL)
+                    return
+                if rank == fail_rank:
+                    jobs = [(os.path.join(run_dir, "gone", os.path.basename(name)), *job) for name, *job in jobs]
+                super(HeldWriter, self)._send((arena, jobs, *rest))
+
+            threading.Thread(target=later, daemon=True).start()
+
     trained_on = threading.Event()
-    write = FileSystemWriterAsync.write_preloaded_data  # megatron-core's writer of one file
-
-    def held_write(*args, **kwargs):
-        trained_on.wait(60)
-        if rank == fail_rank:
-            raise OSError(28, "No space left on device")
-        return write(*args, **kwargs)
-
-    FileSystemWriterAsync.write_preloaded_data = staticmethod(held_write)
+    writer = HeldWriter()
+    for signum in (signal.SIGTERM, signal.SIGUSR2):  # Slurm's, to every process of the job: the writer lives on
+        os.kill(writer.pid, signum)
 
     init_gloo(rank, world, port, 1, 1)
     model, geo = build_gpt_model(model_dir, "float32")
@@ -62,7 +75,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out:
 
     train_step(model, optimizer, batch, algo, 2, 0)
     saved = {n: t.clone() for n, t in export_hf_weights(model, geo)}
-    pending = start_shards(run_dir, 1, shards(False), {"step": 1})
+    pending = start_shards(run_dir, 1, shards(False), {"step": 1}, writer)
     train_step(model, optimizer, batch, algo, 2, 0)  # in place, while the write waits
     reached = {n: t.clone() for n, t in export_hf_weights(model, geo)}
     trained_on.set()
@@ -83,10 +96,10 @@ def _worker(rank: int, world: int, port: int, model_dir: str, run_dir: str, out:
     dist.destroy_process_group()
 
 
-def _run(tmp_path, fail_rank: int, megatron: bool = True) -> list[dict]:
+def _run(tmp_path, fail_rank: int, failure: str = "", megatron: bool = True) -> list[dict]:
     model_dir = create_family_model("qwen2", str(tmp_path / "hf"))
     out = str(tmp_path / "out")
-    spawn(_worker, 2, free_port(), model_dir, str(tmp_path / "run"), out, fail_rank, megatron)
+    spawn(_worker, 2, free_port(), model_dir, str(tmp_path / "run"), out, fail_rank, failure, megatron)
     return [torch.load(f"{out}.rank{rank}.pt") for rank in range(2)]
 
 
@@ -102,9 +115,11 @@ def test_a_background_checkpoint_holds_the_state_of_its_step_while_the_trainer_t
             assert torch.equal(result["again"][name], want), f"rank {rank}: {name} after a step from the checkpoint"
 
 
-@pytest.mark.parametrize("fail_rank", [0])  # rank 0 writes (of this small model rank 1 may hold nothing to write)
-def test_a_write_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tmp_path, fail_rank):
-    results = _run(tmp_path, fail_rank)
-    assert "No space left on device" in results[fail_rank]["error"], results[fail_rank]
+@pytest.mark.parametrize("failure, says", [("spoil", "No such file or directory"),
+                                            ("kill", "the checkpoint writer process (pid")])
+def test_a_write_that_fails_on_one_rank_fails_on_every_rank_and_leaves_nothing(tmp_path, failure, says):
+    fail_rank = 0  # rank 0 writes (of this small model rank 1 may hold nothing to write)
+    results = _run(tmp_path, fail_rank, failure)
+    assert says in results[fail_rank]["error"], results[fail_rank]
     assert "another trainer rank failed to write its shards" in results[1 - fail_rank]["error"], results[1 - fail_rank]
     assert not (tmp_path / "run" / "checkpoints" / "step00000001" / "sharded").exists()  # nothing half-written

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -43,9 +44,19 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--response-len", type=int, default=64)
     parser.add_argument("--baseline-steps", type=int, default=3)
-    parser.add_argument("--out", default=None, help="where the checkpoints are written (default: a temporary directory)")
+    parser.add_argument("--out", default=None, help="a directory on the filesystem to measure: the checkpoints go to a new directory in it, removed at the end (default: the temporary directory)")
     args = parser.parse_args()
+    # its own directories, removed at the end: each run writes four checkpoints (6.5 GB for SmolLM2-135M)
+    scratch = tempfile.mkdtemp(prefix="bench_checkpoint_")
+    run_dir = tempfile.mkdtemp(prefix="bench_checkpoint_", dir=args.out) if args.out else scratch
+    try:
+        measure(args, scratch, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(scratch, ignore_errors=True)
 
+
+def measure(args: argparse.Namespace, scratch: str, run_dir: str) -> None:
     import torch.distributed as dist
 
     from rft.config import AlgorithmConfig
@@ -62,8 +73,6 @@ def main() -> None:
     on_gpu = torch.cuda.is_available()
     dist.init_process_group("nccl" if on_gpu else "gloo", rank=0, world_size=1)
     init_model_parallel(1, seed=0)
-    scratch = tempfile.mkdtemp(prefix="bench_checkpoint_")
-    run_dir = args.out or scratch
     model_dir = resolve_model(args.model, scratch)
     model, geo = build_gpt_model(model_dir, "bfloat16" if on_gpu else "float32")
     load_hf_weights(model, load_hf_state(model_dir), geo)
@@ -127,6 +136,7 @@ def main() -> None:
         "model": args.model, "device": "cuda" if on_gpu else "cpu", "checkpoint_gb": nbytes / 1e9,
         "step_s": baseline, "sync_save_s": sync_s, "first_background": first, "later_background": later,
         "stall_fraction": later["stall_fraction"], "target_met": later["stall_s"] <= sync_s / 5}))
+
 
 if __name__ == "__main__":
     main()

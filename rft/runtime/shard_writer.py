@@ -3,10 +3,11 @@ shared memory its shards are staged in.
 
 Why a process of its own, at the lowest CPU priority: megatron-core's writer serializes each tensor
 with torch.save, which holds Python's GIL, so a writer thread in the trainer held up the training
-step's own Python (SmolLM2-135M on 2 CPU cores: a 5-6 s step took 13-14 s during the write, at any
-thread priority). A process has its own GIL, and at nice 19 it takes only the cycles the trainer
-leaves (the same step during the write: 5.7-6.7 s). It is spawned, not forked: a forked writer
-shares the trainer's memory copy-on-write, and the pages the next optimizer steps write are copied.
+step's own Python (SmolLM2-135M on 2 CPU cores: a 4.7-5.4 s step took 13-14 s during the write, at
+any thread priority). A process has its own GIL, and at nice 19 it takes the cycles the trainer
+leaves (the same step during the write: 7.5-8.5 s; what remains is the cores' memory bandwidth,
+which the two share). It is spawned, not forked: a forked writer shares the trainer's memory
+copy-on-write, and the pages the next optimizer steps write are copied.
 
 Why one shared buffer (the arena) rather than each tensor shared on its own: torch shares a tensor
 through a file descriptor the sender keeps open, one per tensor, and a checkpoint holds thousands.
@@ -17,8 +18,8 @@ host copy of the rank's checkpoint for as long as the run saves in the backgroun
     trainer rank                                  writer process (nice 19)
     copy the tensors into the arena (the stall)
     send the buckets: names, bytes, offsets --->  per bucket: megatron-core's file writer, each
-    train on                                      tensor a copy of its slice; then the sha256 of
-    ... poll ...                          <---    the files; the results
+    train on                                      tensor over its slice; then the sha256 of the
+    ... poll ...                          <---    files; the results
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def _check_shared_memory(nbytes: int, where: str = "/dev/shm") -> None:
 
 
 class ShardWriter:
-    """A trainer rank's writer process, started at its first background save."""
+    """A trainer rank's writer process (started with the rank when a stage saves in the background:
+    rft/runtime/control.py)."""
 
     def __init__(self):
         import torch.multiprocessing as mp
@@ -112,7 +114,7 @@ class ShardWriter:
         tensors = [tensor for _, _, (_, items) in buckets for _, tensor in items]
         slots, size = _layout(tensors)
         if self._arena is None or slots != self._slots:
-            self._arena = None  # the old layout's memory goes before the new is taken
+            self._arena = self._sent_arena = None  # the old layout's memory goes before the new is taken
             _check_shared_memory(size)
             # made in shared memory directly: Tensor.share_memory_() allocates privately and copies
             # (0.7 s against 0.1 s for 1.6 GB on 2 CPU cores); torch.multiprocessing's own constructor
@@ -173,6 +175,10 @@ class ShardWriter:
     @property
     def pid(self) -> int | None:
         return self._process.pid
+
+    @property
+    def alive(self) -> bool:
+        return self._process.is_alive() and not self._conn.closed
 
 
 def _die_with(parent: int) -> None:

@@ -158,8 +158,9 @@ class RankState:
         return save_rank_state(self.run_dir, done, self.rank, state)
 
     def start_writer(self) -> ShardWriter:
-        """The process that writes this rank's background saves (trainer.async_save), started once."""
-        if self.writer is None:
+        """The process that writes this rank's background saves (trainer.async_save); started
+        again if it died between two writes (killed by hand or for memory)."""
+        if self.writer is None or not self.writer.alive:
             self.writer = ShardWriter()
         return self.writer
 

@@ -87,8 +87,10 @@ def exported_sft_model(quickstart_run) -> str:
 
 @pytest.fixture(scope="session")
 def exported_grpo_model(quickstart_run) -> str:
-    """The quickstart's model at the run's end (its GRPO stage after the shortened warm-up: 93.5% on
-    the held-out tasks, measured), as a HF directory: a teacher for distillation."""
+    """The quickstart's model at the run's end (its GRPO stage after the shortened warm-up, on the
+    held-out tasks: 93.5% after 40 steps on a 2-core AMD EPYC, 91.5% after 70 on a 2-core Intel Xeon,
+    where 40 gave 85%, too close to the 80.5% student for distillation's test), as a HF directory: a
+    teacher for distillation."""
     return os.path.join(quickstart_run[0], "model")  # the run's final model (trainer.save_model)
 
 

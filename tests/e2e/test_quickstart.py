@@ -20,6 +20,7 @@ REQUIRED_SCALARS = [
     "timing/sync_s", "perf/tokens_per_s", "policy/version_lag",
 ]
 SFT_STEPS, GRPO_STEPS = QUICKSTART_SFT_STEPS, QUICKSTART_GRPO_STEPS
+LORA_STEPS = 40  # LoRA GRPO from the exported SFT model: its +5 points held on both CPUs the suite ran on
 
 
 @pytest.mark.slow
@@ -86,13 +87,13 @@ def test_lora_grpo_from_the_sft_warm_up_learns(quickstart_run, exported_sft_mode
                     f"data.eval_path={tmp_path}/test.parquet", "algorithm.reward=my_reward.py:compute_score",
                     "sync.lora=adapter",
                     "stages=[{name: grpo, algorithm: {name: grpo, lr: 2.0e-3, clip_eps: 0.2}, "
-                    f"trainer: {{max_steps: {GRPO_STEPS}, save_interval: {GRPO_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]",
+                    f"trainer: {{max_steps: {LORA_STEPS}, save_interval: {LORA_STEPS}, lora: {{rank: 16, alpha: 32}}}}}}]",
                     cwd=str(tmp_path), env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     # the reward's other numbers are logged beside its score (rollout/<key>)
     assert "rollout/answered" in tensorboard_scalars(run_dir)
     by_step = _accuracy_by_step(run_dir)
-    start, end = by_step[0][0], by_step[GRPO_STEPS][-1]
+    start, end = by_step[0][0], by_step[LORA_STEPS][-1]
     assert start >= 0.15, f"the exported SFT model scores only {start:.2f}"
     assert end >= start + 0.05, f"LoRA GRPO did not raise accuracy: {start:.3f} -> {end:.3f}"
     mb = [v for _, v in sorted(tensorboard_scalars(run_dir)["sync/mb"])]
@@ -104,7 +105,7 @@ def test_lora_grpo_from_the_sft_warm_up_learns(quickstart_run, exported_sft_mode
     done = subprocess.run([sys.executable, "-m", "rft.export", run_dir, "--out", out], capture_output=True, text=True,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert f"rft.export: checkpoint step {GRPO_STEPS} (stage grpo; trainer_ranks=1)" in done.stdout
+    assert f"rft.export: checkpoint step {LORA_STEPS} (stage grpo; trainer_ranks=1)" in done.stdout
     own, merged = _tensors(os.path.join(run_dir, "model")), _tensors(out)
     assert sorted(own) == sorted(merged) and all(own[name].equal(merged[name]) for name in own)
 

@@ -44,9 +44,9 @@ class BackgroundSave:
         self.state = copy.deepcopy(state)  # as it is now: the trainer goes on changing it
         self.request = dist_checkpointing.save(shards, path, async_sharded_save=True)  # a collective
         write = self.request.async_fn
-        self.own_digests: Callable[[], dict[str, dict[str, Any]]] | None = None
-        if write is None:  # nothing of this rank's to write
-            self.own_digests = own_digests
+        self.own_digests = own_digests
+        self.writes = write is not None  # megatron-core planned files of this rank's
+        if not self.writes:
             return
         if not (isinstance(write, functools.partial) and write.func is FileSystemWriterAsync.write_preloaded_data_multiproc):
             raise RuntimeError(f"megatron-core planned the background save with {write!r}, which rft's writer "
@@ -57,11 +57,11 @@ class BackgroundSave:
 
     @property
     def writing(self) -> bool:
-        return self.own_digests is None and self.writer.writing
+        return self.writes and self.writer.writing
 
     def _wait(self) -> BaseException | None:
         """This rank's write done: its error, or None (the digests of its files then kept)."""
-        if self.own_digests is not None:
+        if not self.writes:
             self.digests = self.own_digests()
             return None
         try:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import atexit
 import io
+import math
 import os
 import signal
 import sys
@@ -51,20 +52,21 @@ class WriterDiedError(RuntimeError):
     """The writer process ended before it answered (killed, out of memory)."""
 
 
+def _nbytes(shape: tuple[int, ...], dtype) -> int:
+    return math.prod(shape) * dtype.itemsize
+
+
 def _layout(tensors: list) -> tuple[list[tuple[int, tuple[int, ...], Any]], int]:
     """(offset, shape, dtype) of each tensor in the arena, and the arena's size in bytes."""
     slots, size = [], 0
     for tensor in tensors:
         slots.append((size, tuple(tensor.shape), tensor.dtype))
-        size += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+        size += -(-_nbytes(tuple(tensor.shape), tensor.dtype) // ALIGN) * ALIGN
     return slots, size
 
 
 def _view(arena, offset: int, shape: tuple[int, ...], dtype) -> Any:
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    return arena[offset: offset + numel * dtype.itemsize].view(dtype).view(shape)
+    return arena[offset: offset + _nbytes(shape, dtype)].view(dtype).view(shape)
 
 
 def _check_shared_memory(nbytes: int, where: str = "/dev/shm") -> None:
@@ -202,9 +204,8 @@ def _serve(conn, parent: int) -> None:
     if hasattr(os, "setpriority"):
         os.setpriority(os.PRIO_PROCESS, 0, 19)
     import megatron.core.dist_checkpointing.strategies.filesystem_async  # noqa: F401 - what it writes with
-    import torch as real_torch
 
-    real_torch.set_num_threads(1)  # a core's worth at most, and only what the trainer leaves
+    torch.set_num_threads(1)  # a core's worth at most, and only what the trainer leaves
     conn.send(READY)
     arena = None
     while True:
@@ -226,7 +227,6 @@ def _write(arena, jobs: list, transform_list: list, use_msc: bool) -> dict[int, 
     workers run) on each job; the results by bucket as its finalization reads them."""
     import queue
 
-    import torch as real_torch
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     storage = arena.untyped_storage()
@@ -236,8 +236,7 @@ def _write(arena, jobs: list, transform_list: list, use_msc: bool) -> dict[int, 
             # each over a storage of its own slice of the arena (a view of the same memory): torch.save
             # of a tensor view writes its whole storage, here the arena
             for item, (offset, shape, dtype) in items:
-                nbytes = _view(arena, offset, shape, dtype).nbytes
-                yield item, real_torch.empty(0, dtype=dtype).set_(storage[offset: offset + nbytes], 0, shape)
+                yield item, torch.empty(0, dtype=dtype).set_(storage[offset: offset + _nbytes(shape, dtype)], 0, shape)
 
         bucket = (file_name, storage_key, ([(item, io.BytesIO(data)) for item, data in bytes_items], tensors()))
         done, count = queue.Queue(), queue.Queue()
